@@ -1,0 +1,1 @@
+"""swarmrl node: the one binary every participant runs, with a role (trainer, sampler, bootstrap)."""

@@ -1,0 +1,104 @@
+"""Node configuration: bootstrap.toml (swarm name, bootstrap peers, trusted trainer id), overridden by flags."""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import multiaddr
+from libp2p.peer.id import ID
+
+from node.errors import UserError
+
+ROLES = ("trainer", "sampler", "bootstrap")
+DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/0"
+
+
+def parse_multiaddr(text: str, where: str, *, need_peer_id: bool) -> multiaddr.Multiaddr:
+    try:
+        addr = multiaddr.Multiaddr(text)
+    except Exception as exc:
+        raise UserError(f"bad multiaddr {text!r} in {where}: {exc}") from None
+    if need_peer_id and addr.get_peer_id() is None:
+        raise UserError(f"multiaddr {text!r} in {where} must end with /p2p/<peer id>")
+    if not any(p.name == "tcp" for p in addr.protocols()):
+        raise UserError(f"multiaddr {text!r} in {where} is not a TCP address (only TCP is supported)")
+    return addr
+
+
+def parse_peer_id(text: str, where: str) -> ID:
+    try:
+        return ID.from_base58(text)
+    except Exception:
+        raise UserError(f"bad peer id {text!r} in {where}") from None
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    role: str
+    swarm: str = "swarmrl"
+    bootstrap: tuple[multiaddr.Multiaddr, ...] = ()
+    trainer_id: ID | None = None
+    listen: multiaddr.Multiaddr = field(default_factory=lambda: multiaddr.Multiaddr(DEFAULT_LISTEN))
+    data_dir: Path = Path(".swarmrl")
+    key_path: Path | None = None
+    provide_interval: float = 30.0
+    discover_interval: float = 2.0
+    bootstrap_timeout: float = 20.0
+    status_interval: float = 5.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def identity_path(self) -> Path:
+        return self.key_path or self.data_dir / "identity.key"
+
+    def with_overrides(self, **changes: Any) -> NodeConfig:
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+def load_config_file(path: Path) -> dict[str, Any]:
+    """Read bootstrap.toml into plain values; every problem names the file and the key."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"config file {path} is not valid TOML: {exc}") from None
+    swarm = data.get("swarm", {})
+    if not isinstance(swarm, dict):
+        raise UserError(f"{path}: [swarm] must be a table")
+    unknown = set(swarm) - {"name", "bootstrap", "trainer"}
+    if unknown:
+        raise UserError(f"{path}: unknown keys in [swarm]: {', '.join(sorted(unknown))}")
+    out: dict[str, Any] = {}
+    if "name" in swarm:
+        if (
+            not isinstance(swarm["name"], str)
+            or not swarm["name"].replace("-", "").replace("_", "").isalnum()
+        ):
+            raise UserError(f"{path}: swarm.name must be a string of letters, digits, '-' or '_'")
+        out["swarm"] = swarm["name"]
+    if "bootstrap" in swarm:
+        if not isinstance(swarm["bootstrap"], list) or not all(
+            isinstance(x, str) for x in swarm["bootstrap"]
+        ):
+            raise UserError(f"{path}: swarm.bootstrap must be a list of multiaddr strings")
+        out["bootstrap"] = tuple(
+            parse_multiaddr(a, f"{path} swarm.bootstrap", need_peer_id=True) for a in swarm["bootstrap"]
+        )
+    if swarm.get("trainer"):
+        if not isinstance(swarm["trainer"], str):
+            raise UserError(f"{path}: swarm.trainer must be a peer id string")
+        out["trainer_id"] = parse_peer_id(swarm["trainer"], f"{path} swarm.trainer")
+    return out
+
+
+def write_config_file(path: Path, swarm: str, bootstrap: list[str], trainer: str | None) -> None:
+    lines = ["[swarm]", f'name = "{swarm}"', "bootstrap = ["]
+    lines += [f'  "{a}",' for a in bootstrap]
+    lines.append("]")
+    if trainer:
+        lines.append(f'trainer = "{trainer}"')
+    path.write_text("\n".join(lines) + "\n")

@@ -1,0 +1,38 @@
+"""What every sampler engine provides: grouped generation with the sampled tokens' logprobs, and hot swap.
+
+Logprobs are those of the distribution actually sampled from at the given temperature
+(log_softmax(logits / T)), before top-p truncation; the trainer recomputes exactly that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Generation:
+    completion_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (ended with a stop token, which is included) or "length"
+
+
+class Engine(Protocol):
+    name: str
+    quant: str  # one of protocols.rollouts.QUANT_MODES
+    version: int
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        temperature: float,
+        top_p: float,
+        max_tokens: int,
+        seed: int,
+    ) -> list[Generation]: ...
+
+    def load_checkpoint(self, model_dir: Path, version: int) -> None:
+        """Replace the live weights with those in ``model_dir`` (same architecture), tagged ``version``."""
+        ...

@@ -1,0 +1,122 @@
+"""The libp2p host every role shares: TCP + Noise + yamux only, Kad-DHT in server mode, bootstrap join.
+
+Plaintext and secio are in py-libp2p's default security list, so the transports are given explicitly.
+The DHT does not add connected peers to its routing table by itself; ``feed_routing_table`` does that.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import multiaddr
+import trio
+from libp2p import new_host
+from libp2p.abc import IHost
+from libp2p.crypto.keys import KeyPair
+from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
+from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
+from libp2p.stream_muxer.yamux.yamux import Yamux
+from libp2p.tools.anyio_service import background_trio_service
+
+from node.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+def build_host(key_pair: KeyPair, psk: str | None = None) -> IHost:
+    noise = NoiseTransport(key_pair, noise_privkey=create_x25519_key_pair().private_key)
+    return new_host(
+        key_pair=key_pair,
+        sec_opt={NOISE_PROTOCOL_ID: noise},
+        muxer_opt={YAMUX_PROTOCOL_ID: Yamux},
+        psk=psk,
+    )
+
+
+@dataclass
+class Swarm:
+    """A running host and its DHT."""
+
+    host: IHost
+    dht: KadDHT
+
+    @property
+    def peer_id(self) -> ID:
+        return self.host.get_id()
+
+    def addrs(self) -> list[multiaddr.Multiaddr]:
+        """Dialable addresses including /p2p/<id>, 0.0.0.0 replaced by loopback for local use."""
+        out = []
+        for a in self.host.get_addrs():
+            text = str(a).replace("/ip4/0.0.0.0/", "/ip4/127.0.0.1/")
+            if "/p2p/" not in text:
+                text += f"/p2p/{self.peer_id}"
+            out.append(multiaddr.Multiaddr(text))
+        return out
+
+    async def connect(self, info: PeerInfo, timeout: float = 10.0) -> None:
+        if info.peer_id == self.peer_id:
+            return
+        with trio.fail_after(timeout):
+            await self.host.connect(info)
+        await self.dht.add_peer(info.peer_id)
+
+    async def feed_routing_table(self, interval: float) -> None:
+        """Add every connected peer to the DHT routing table, forever (py-libp2p won't do it)."""
+        while True:
+            for pid in list(self.host.get_connected_peers()):
+                try:
+                    await self.dht.add_peer(pid)
+                except Exception as exc:
+                    log.debug("add_peer %s failed: %s", pid, exc)
+            await trio.sleep(interval)
+
+
+@asynccontextmanager
+async def open_swarm(
+    key_pair: KeyPair, listen: multiaddr.Multiaddr, psk: str | None = None
+) -> AsyncIterator[Swarm]:
+    host = build_host(key_pair, psk=psk)
+    try:
+        run = host.run(listen_addrs=[listen])
+    except Exception as exc:
+        raise UserError(f"cannot listen on {listen}: {exc}") from None
+    async with run:
+        dht = KadDHT(host, DHTMode.SERVER, max_peers_per_subnet=0)
+        async with background_trio_service(dht):
+            yield Swarm(host, dht)
+
+
+async def join_bootstrap(swarm: Swarm, addrs: tuple[multiaddr.Multiaddr, ...], timeout: float) -> int:
+    """Connect to every bootstrap peer we can; retry until ``timeout``; raise if none answered.
+
+    Returns how many were reached. A node with no bootstrap peers is a swarm's first node.
+    """
+    infos = [info_from_p2p_addr(a) for a in addrs]
+    infos = [i for i in infos if i.peer_id != swarm.peer_id]
+    if not infos:
+        return 0
+    errors: dict[str, str] = {}
+    deadline = trio.current_time() + timeout
+    while True:
+        reached = 0
+        for info in infos:
+            try:
+                await swarm.connect(info, timeout=max(1.0, min(10.0, deadline - trio.current_time())))
+                reached += 1
+            except Exception as exc:
+                errors[str(info.peer_id)] = f"{type(exc).__name__}: {exc}"[:200]
+        if reached:
+            return reached
+        if trio.current_time() >= deadline:
+            detail = "; ".join(f"{pid}: {err}" for pid, err in errors.items())
+            raise UserError(f"could not reach any bootstrap peer within {timeout:.0f} s ({detail})")
+        await trio.sleep(1.0)

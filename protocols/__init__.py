@@ -1,0 +1,3 @@
+"""Wire formats of the swarm: versioned msgpack messages with explicit size limits, defined once here."""
+
+WIRE_VERSION = 1

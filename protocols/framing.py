@@ -1,0 +1,107 @@
+"""Length-prefixed msgpack frames over a libp2p stream, with a hard size cap on every read.
+
+py-libp2p's ``read()`` returns at most ~64 KiB and raises StreamEOF at the end, and its ``read_exactly``
+gives up on large reads, so frames are assembled here with our own loop. The length header is checked
+against the cap *before* any body byte is buffered, so an oversized frame costs nothing.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, Protocol
+
+import msgpack
+
+from protocols import WIRE_VERSION
+from protocols.errors import FrameTooLarge, MalformedMessage, PeerClosed, UnsupportedVersion
+
+HEADER = struct.Struct(">I")
+READ_CHUNK = 1 << 16
+
+
+class ByteStream(Protocol):
+    async def read(self, n: int | None = None) -> bytes: ...
+    async def write(self, data: bytes) -> None: ...
+
+
+def pack(message: dict[str, Any]) -> bytes:
+    """Encode one message (a dict that already carries ``v`` and ``t``) to msgpack bytes."""
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def unpack(body: bytes, max_size: int) -> dict[str, Any]:
+    """Decode msgpack bytes into a message dict, refusing anything that is not a versioned map."""
+    try:
+        obj = msgpack.unpackb(
+            body,
+            raw=False,
+            strict_map_key=True,
+            max_bin_len=max_size,
+            max_str_len=max_size,
+            max_array_len=max_size,
+            max_map_len=max_size,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises many unrelated types for bad input
+        raise MalformedMessage(f"undecodable msgpack: {type(exc).__name__}: {exc}") from None
+    if not isinstance(obj, dict):
+        raise MalformedMessage(f"message must be a map, got {type(obj).__name__}")
+    version = obj.get("v")
+    if version != WIRE_VERSION:
+        raise UnsupportedVersion(
+            f"wire version {version!r} is not supported (this node speaks {WIRE_VERSION})"
+        )
+    if not isinstance(obj.get("t"), str):
+        raise MalformedMessage("message has no type field 't'")
+    return obj
+
+
+def frame(message: dict[str, Any], max_size: int) -> bytes:
+    """Encode a message as header + body; refuse to send what the receiver would refuse."""
+    body = pack(message)
+    if len(body) > max_size:
+        raise FrameTooLarge(f"frame of {len(body)} B exceeds the {max_size} B limit")
+    return HEADER.pack(len(body)) + body
+
+
+async def write_message(stream: ByteStream, message: dict[str, Any], max_size: int) -> None:
+    await stream.write(frame(message, max_size))
+
+
+class FrameReader:
+    """Reads whole frames from one stream, keeping any bytes that belong to the next frame."""
+
+    def __init__(self, stream: ByteStream) -> None:
+        self._stream = stream
+        self._buf = bytearray()
+
+    async def _fill(self, n: int) -> None:
+        from libp2p.network.stream.exceptions import StreamError
+
+        while len(self._buf) < n:
+            try:
+                data = await self._stream.read(min(READ_CHUNK, n - len(self._buf)))
+            except StreamError as exc:
+                raise PeerClosed(
+                    f"stream ended after {len(self._buf)} of {n} bytes ({type(exc).__name__})"
+                ) from None
+            if not data:
+                raise PeerClosed(f"stream ended after {len(self._buf)} of {n} bytes")
+            self._buf += data
+
+    def _take(self, n: int) -> bytes:
+        out = bytes(self._buf[:n])
+        del self._buf[:n]
+        return out
+
+    async def read_body(self, max_size: int) -> bytes:
+        """Return the next frame's raw body, refusing one whose header announces more than ``max_size``."""
+        await self._fill(HEADER.size)
+        (length,) = HEADER.unpack(self._take(HEADER.size))
+        if length > max_size:
+            raise FrameTooLarge(f"peer announced a {length} B frame; the limit is {max_size} B")
+        await self._fill(length)
+        return self._take(length)
+
+    async def read_message(self, max_size: int) -> dict[str, Any]:
+        return unpack(await self.read_body(max_size), max_size)

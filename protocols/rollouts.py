@@ -1,0 +1,134 @@
+"""Rollout protocol: a sampler sends one finished GRPO group straight to the trainer, which acks it.
+
+Submissions are idempotent by rollout id: a resend after a lost ack is answered ``duplicate``, never
+counted twice. Nothing here is trusted: the trainer rebuilds the prompt from (task_id, seed), recomputes
+rewards, and checks the claimed logprobs (see trainer/verify.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from protocols import WIRE_VERSION
+from protocols import schema as s
+from protocols.work import MAX_GROUP_SIZE, MAX_NEW_TOKENS, MAX_PROMPT_TOKENS, MAX_TOKEN_ID
+
+PROTOCOL_ID = "/swarmrl/rollout/1.0.0"
+MAX_FRAME = 8 << 20
+MAX_ACK_FRAME = 1 << 20
+QUANT_MODES = ("none", "q8", "q4", "torch")
+FINISH_REASONS = ("stop", "length")
+
+
+@dataclass(frozen=True)
+class Sample:
+    rollout_id: str
+    completion_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "rollout_id": self.rollout_id,
+            "completion_ids": self.completion_ids,
+            "logprobs": self.logprobs,
+            "finish_reason": self.finish_reason,
+        }
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> Sample:
+        ids = s.int_list(m, "completion_ids", MAX_NEW_TOKENS, 0, MAX_TOKEN_ID, min_len=1)
+        logprobs = s.float_list(m, "logprobs", MAX_NEW_TOKENS, -1e4, 1e-3)
+        if len(logprobs) != len(ids):
+            raise s.SchemaError(f"{len(logprobs)} logprobs for {len(ids)} completion tokens")
+        reason = s.text(m, "finish_reason", 16)
+        if reason not in FINISH_REASONS:
+            raise s.SchemaError(f"unknown finish_reason {reason!r}")
+        return cls(s.text(m, "rollout_id", 128), ids, logprobs, reason)
+
+
+@dataclass(frozen=True)
+class RolloutGroup:
+    group_id: str
+    lease_id: str
+    task_id: str
+    seed: int
+    version: int
+    sampler: str
+    prompt_ids: list[int]
+    temperature: float
+    top_p: float
+    quant: str
+    samples: list[Sample]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "v": WIRE_VERSION,
+            "t": "rollouts",
+            "group_id": self.group_id,
+            "lease_id": self.lease_id,
+            "task_id": self.task_id,
+            "seed": self.seed,
+            "version": self.version,
+            "sampler": self.sampler,
+            "prompt_ids": self.prompt_ids,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "quant": self.quant,
+            "samples": [x.to_wire() for x in self.samples],
+        }
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> RolloutGroup:
+        s.expect_type(m, "rollouts")
+        raw_samples = s.items(m, "samples", MAX_GROUP_SIZE, min_len=1)
+        quant = s.text(m, "quant", 16)
+        if quant not in QUANT_MODES:
+            raise s.SchemaError(f"unknown quant mode {quant!r}")
+        samples = [Sample.from_wire(x if isinstance(x, dict) else {}) for x in raw_samples]
+        if len({x.rollout_id for x in samples}) != len(samples):
+            raise s.SchemaError("rollout ids repeat inside one group")
+        return cls(
+            group_id=s.text(m, "group_id", 128),
+            lease_id=s.text(m, "lease_id", 64),
+            task_id=s.text(m, "task_id", 64),
+            seed=s.integer(m, "seed", 0, (1 << 63) - 1),
+            version=s.integer(m, "version", 0, 1 << 40),
+            sampler=s.text(m, "sampler", 128),
+            prompt_ids=s.int_list(m, "prompt_ids", MAX_PROMPT_TOKENS, 0, MAX_TOKEN_ID, min_len=1),
+            temperature=s.number(m, "temperature", 0.05, 10.0),
+            top_p=s.number(m, "top_p", 0.01, 1.0),
+            quant=quant,
+            samples=samples,
+        )
+
+
+@dataclass
+class RolloutAck:
+    accepted: list[str] = field(default_factory=list)
+    duplicate: list[str] = field(default_factory=list)
+    rejected: list[tuple[str, str]] = field(default_factory=list)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "v": WIRE_VERSION,
+            "t": "ack",
+            "accepted": self.accepted,
+            "duplicate": self.duplicate,
+            "rejected": [[rid, reason[:256]] for rid, reason in self.rejected],
+        }
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> RolloutAck:
+        s.expect_type(m, "ack")
+        rejected = []
+        for item in s.items(m, "rejected", MAX_GROUP_SIZE):
+            if not (isinstance(item, list) and len(item) == 2 and all(isinstance(x, str) for x in item)):
+                raise s.SchemaError("rejected entries must be [rollout_id, reason]")
+            rejected.append((item[0], item[1]))
+        accepted = s.items(m, "accepted", MAX_GROUP_SIZE)
+        duplicate = s.items(m, "duplicate", MAX_GROUP_SIZE)
+        if not all(isinstance(x, str) for x in accepted + duplicate):
+            raise s.SchemaError("ack ids must be strings")
+        return cls(accepted, duplicate, rejected)

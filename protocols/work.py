@@ -1,0 +1,105 @@
+"""Work protocol: a sampler asks the trainer for prompts; the trainer answers with a lease.
+
+A lease names tasks by (task_id, seed) so the trainer can rebuild every prompt itself when the rollouts
+come back, and never has to trust the prompt ids a sampler echoes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from protocols import WIRE_VERSION
+from protocols import schema as s
+
+PROTOCOL_ID = "/swarmrl/work/1.0.0"
+MAX_FRAME = 1 << 20
+MAX_GROUPS_PER_LEASE = 64
+MAX_PROMPT_TOKENS = 4096
+MAX_NEW_TOKENS = 4096
+MAX_GROUP_SIZE = 64
+MAX_TOKEN_ID = (1 << 31) - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float
+    top_p: float
+    max_tokens: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"temperature": self.temperature, "top_p": self.top_p, "max_tokens": self.max_tokens}
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> SamplingParams:
+        return cls(
+            temperature=s.number(m, "temperature", 0.05, 10.0),
+            top_p=s.number(m, "top_p", 0.01, 1.0),
+            max_tokens=s.integer(m, "max_tokens", 1, MAX_NEW_TOKENS),
+        )
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    task_id: str
+    seed: int
+    prompt_ids: list[int]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"task_id": self.task_id, "seed": self.seed, "prompt_ids": self.prompt_ids}
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> TaskSpec:
+        return cls(
+            task_id=s.text(m, "task_id", 64),
+            seed=s.integer(m, "seed", 0, (1 << 63) - 1),
+            prompt_ids=s.int_list(m, "prompt_ids", MAX_PROMPT_TOKENS, 0, MAX_TOKEN_ID, min_len=1),
+        )
+
+
+@dataclass(frozen=True)
+class WorkRequest:
+    max_groups: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"v": WIRE_VERSION, "t": "work_request", "max_groups": self.max_groups}
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> WorkRequest:
+        s.expect_type(m, "work_request")
+        return cls(max_groups=s.integer(m, "max_groups", 1, MAX_GROUPS_PER_LEASE))
+
+
+@dataclass(frozen=True)
+class WorkLease:
+    lease_id: str
+    version: int
+    group_size: int
+    sampling: SamplingParams
+    tasks: list[TaskSpec]
+    expires_in: float
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "v": WIRE_VERSION,
+            "t": "lease",
+            "lease_id": self.lease_id,
+            "version": self.version,
+            "group_size": self.group_size,
+            "sampling": self.sampling.to_wire(),
+            "tasks": [t.to_wire() for t in self.tasks],
+            "expires_in": self.expires_in,
+        }
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> WorkLease:
+        s.expect_type(m, "lease")
+        tasks = s.items(m, "tasks", MAX_GROUPS_PER_LEASE)
+        return cls(
+            lease_id=s.text(m, "lease_id", 64),
+            version=s.integer(m, "version", 0, 1 << 40),
+            group_size=s.integer(m, "group_size", 1, MAX_GROUP_SIZE),
+            sampling=SamplingParams.from_wire(s.mapping(m, "sampling")),
+            tasks=[TaskSpec.from_wire(t if isinstance(t, dict) else {}) for t in tasks],
+            expires_in=s.number(m, "expires_in", 0.0, 86400.0),
+        )

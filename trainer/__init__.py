@@ -1,0 +1,1 @@
+"""Trainer side: torch + transformers policy, GRPO, verified rollouts, publishing versions, tasks."""
