@@ -74,16 +74,11 @@ def load_config_file(path: Path) -> dict[str, Any]:
         raise UserError(f"{path}: unknown keys in [swarm]: {', '.join(sorted(unknown))}")
     out: dict[str, Any] = {}
     if "name" in swarm:
-        if (
-            not isinstance(swarm["name"], str)
-            or not swarm["name"].replace("-", "").replace("_", "").isalnum()
-        ):
+        if not isinstance(swarm["name"], str) or not swarm["name"].replace("-", "").replace("_", "").isalnum():
             raise UserError(f"{path}: swarm.name must be a string of letters, digits, '-' or '_'")
         out["swarm"] = swarm["name"]
     if "bootstrap" in swarm:
-        if not isinstance(swarm["bootstrap"], list) or not all(
-            isinstance(x, str) for x in swarm["bootstrap"]
-        ):
+        if not isinstance(swarm["bootstrap"], list) or not all(isinstance(x, str) for x in swarm["bootstrap"]):
             raise UserError(f"{path}: swarm.bootstrap must be a list of multiaddr strings")
         out["bootstrap"] = tuple(
             parse_multiaddr(a, f"{path} swarm.bootstrap", need_peer_id=True) for a in swarm["bootstrap"]

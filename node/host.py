@@ -81,9 +81,7 @@ class Swarm:
 
 
 @asynccontextmanager
-async def open_swarm(
-    key_pair: KeyPair, listen: multiaddr.Multiaddr, psk: str | None = None
-) -> AsyncIterator[Swarm]:
+async def open_swarm(key_pair: KeyPair, listen: multiaddr.Multiaddr, psk: str | None = None) -> AsyncIterator[Swarm]:
     host = build_host(key_pair, psk=psk)
     try:
         run = host.run(listen_addrs=[listen])

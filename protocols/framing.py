@@ -48,9 +48,7 @@ def unpack(body: bytes, max_size: int) -> dict[str, Any]:
         raise MalformedMessage(f"message must be a map, got {type(obj).__name__}")
     version = obj.get("v")
     if version != WIRE_VERSION:
-        raise UnsupportedVersion(
-            f"wire version {version!r} is not supported (this node speaks {WIRE_VERSION})"
-        )
+        raise UnsupportedVersion(f"wire version {version!r} is not supported (this node speaks {WIRE_VERSION})")
     if not isinstance(obj.get("t"), str):
         raise MalformedMessage("message has no type field 't'")
     return obj
@@ -82,9 +80,7 @@ class FrameReader:
             try:
                 data = await self._stream.read(min(READ_CHUNK, n - len(self._buf)))
             except StreamError as exc:
-                raise PeerClosed(
-                    f"stream ended after {len(self._buf)} of {n} bytes ({type(exc).__name__})"
-                ) from None
+                raise PeerClosed(f"stream ended after {len(self._buf)} of {n} bytes ({type(exc).__name__})") from None
             if not data:
                 raise PeerClosed(f"stream ended after {len(self._buf)} of {n} bytes")
             self._buf += data

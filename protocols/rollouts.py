@@ -27,14 +27,18 @@ class Sample:
     completion_ids: list[int]
     logprobs: list[float]
     finish_reason: str
+    claimed_reward: float | None = None  # the sampler's own score; the trainer recomputes and compares
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "rollout_id": self.rollout_id,
             "completion_ids": self.completion_ids,
             "logprobs": self.logprobs,
             "finish_reason": self.finish_reason,
         }
+        if self.claimed_reward is not None:
+            out["reward"] = self.claimed_reward
+        return out
 
     @classmethod
     def from_wire(cls, m: dict[str, Any]) -> Sample:
@@ -45,7 +49,8 @@ class Sample:
         reason = s.text(m, "finish_reason", 16)
         if reason not in FINISH_REASONS:
             raise s.SchemaError(f"unknown finish_reason {reason!r}")
-        return cls(s.text(m, "rollout_id", 128), ids, logprobs, reason)
+        claimed = s.number(m, "reward", -1e6, 1e6) if "reward" in m else None
+        return cls(s.text(m, "rollout_id", 128), ids, logprobs, reason, claimed)
 
 
 @dataclass(frozen=True)

@@ -68,18 +68,11 @@ def int_list(msg: dict[str, Any], name: str, max_len: int, lo: int, hi: int, min
     return values
 
 
-def float_list(
-    msg: dict[str, Any], name: str, max_len: int, lo: float, hi: float, min_len: int = 0
-) -> list[float]:
+def float_list(msg: dict[str, Any], name: str, max_len: int, lo: float, hi: float, min_len: int = 0) -> list[float]:
     values = items(msg, name, max_len, min_len)
     out = []
     for v in values:
-        if (
-            isinstance(v, bool)
-            or not isinstance(v, (int, float))
-            or not math.isfinite(v)
-            or not lo <= v <= hi
-        ):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
             raise SchemaError(f"field {name!r} holds {v!r}, not a finite number in [{lo}, {hi}]")
         out.append(float(v))
     return out

@@ -31,9 +31,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.WordLevel(vocab=vocab(), unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
 
 
 def tiny_config(layers: int = 2, hidden: int = 128) -> Qwen2Config:

@@ -2,10 +2,13 @@
 
 ``BatchGenerator`` is used directly because ``batch_generate`` drops the stop token and its logprob.
 mlx-lm reports logprobs before temperature; they are re-tempered here per sampled token.
+MLX streams belong to the thread that made them, so all of this engine's MLX work runs on one
+dedicated thread of its own, whichever thread (event loop or trio worker) calls it.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
@@ -29,6 +32,10 @@ class MlxEngine:
         if bits not in QUANT_NAMES:
             raise UserError(f"unsupported quantization bits {bits!r}: use 8, 4 or none")
         info = inspect_checkpoint(model_dir)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-engine")
+        self._thread.submit(self._init, info, model_dir, bits, group_size, version).result()
+
+    def _init(self, info, model_dir: Path, bits: int | None, group_size: int, version: int) -> None:
         self.bits = bits
         self.group_size = group_size
         self.quant = QUANT_NAMES[bits]
@@ -44,14 +51,15 @@ class MlxEngine:
 
     def _quantized_paths(self) -> set[str]:
         return {
-            name[: -len(".scales")]
-            for name, _ in tree_flatten(self.model.parameters())
-            if name.endswith(".scales")
+            name[: -len(".scales")] for name, _ in tree_flatten(self.model.parameters()) if name.endswith(".scales")
         }
 
     def load_checkpoint(self, model_dir: Path, version: int) -> None:
         """Hot-swap: load new float weights, re-quantize them the same way, load_weights(strict=True)."""
         inspect_checkpoint(model_dir)
+        self._thread.submit(self._load_checkpoint, model_dir, version).result()
+
+    def _load_checkpoint(self, model_dir: Path, version: int) -> None:
         weights: dict[str, mx.array] = {}
         for f in sorted(Path(model_dir).glob("*.safetensors")):
             weights.update(mx.load(str(f)))
@@ -76,11 +84,17 @@ class MlxEngine:
     def generate(
         self, prompts: list[list[int]], *, temperature: float, top_p: float, max_tokens: int, seed: int
     ) -> list[Generation]:
+        return self._thread.submit(self._generate, prompts, temperature, top_p, max_tokens, seed).result()
+
+    def _generate(
+        self, prompts: list[list[int]], temperature: float, top_p: float, max_tokens: int, seed: int
+    ) -> list[Generation]:
         mx.random.seed(seed % (1 << 32))
         gen = BatchGenerator(
             self.model,
             max_tokens=max_tokens,
             stop_tokens=[[t] for t in self.eos_ids],
+            stream=mx.new_stream(mx.default_device()),
             sampler=make_sampler(temp=temperature, top_p=top_p if top_p < 1.0 else 0.0),
         )
         try:

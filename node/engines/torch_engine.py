@@ -34,13 +34,9 @@ class TorchEngine:
         for f in sorted(Path(model_dir).glob("*.safetensors")):
             state.update(load_file(str(f)))
         missing, unexpected = self.model.load_state_dict(state, strict=False)
-        missing = [
-            m for m in missing if not (m == "lm_head.weight" and self.model.config.tie_word_embeddings)
-        ]
+        missing = [m for m in missing if not (m == "lm_head.weight" and self.model.config.tie_word_embeddings)]
         if missing or unexpected:
-            raise UserError(
-                f"weights in {model_dir} do not fit: missing {missing[:3]}, unexpected {unexpected[:3]}"
-            )
+            raise UserError(f"weights in {model_dir} do not fit: missing {missing[:3]}, unexpected {unexpected[:3]}")
         if self.model.config.tie_word_embeddings:
             self.model.tie_weights()
         self.version = version

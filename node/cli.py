@@ -1,0 +1,179 @@
+"""`swarmrl`: the one binary. `swarmrl node --role trainer|sampler|bootstrap`, plus keygen, status, demo."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import trio
+
+from node.config import ROLES, NodeConfig, load_config_file, parse_multiaddr, parse_peer_id
+from node.errors import UserError
+from node.identity import load_or_create_key, peer_id_of
+
+log = logging.getLogger("swarmrl")
+
+
+def setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    for noisy in ("libp2p", "multiaddr", "httpx", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.ERROR if not verbose else logging.INFO)
+
+
+def add_node_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--role", choices=ROLES, required=True)
+    p.add_argument("--config", type=Path, help="bootstrap.toml (default: ./bootstrap.toml if present)")
+    p.add_argument("--bootstrap", action="append", default=None, metavar="MULTIADDR", help="repeatable")
+    p.add_argument("--swarm", help="swarm name (overrides the config)")
+    p.add_argument("--trainer", help="trusted trainer peer id (overrides the config)")
+    p.add_argument("--listen", default=None, help="listen multiaddr, default /ip4/0.0.0.0/tcp/0")
+    p.add_argument("--key", type=Path, help="identity key file (default <data-dir>/identity.key)")
+    p.add_argument("--data-dir", type=Path, default=Path(".swarmrl"))
+    p.add_argument("--provide-interval", type=float, default=None)
+    p.add_argument("--bootstrap-timeout", type=float, default=None)
+    p.add_argument("--model", type=Path, help="local HF checkpoint dir (default: the embedded tiny model)")
+    # sampler
+    p.add_argument("--engine", default="auto", choices=["auto", "mlx", "torch"])
+    p.add_argument("--bits", default="8", choices=["8", "4", "none"], help="MLX quantization")
+    # trainer
+    p.add_argument("--task", default="reverse", help="built-in task name or module:factory")
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--max-staleness", type=int, default=4)
+    p.add_argument("-v", "--verbose", action="store_true")
+
+
+def build_config(args: argparse.Namespace) -> NodeConfig:
+    file_values = {}
+    config_path = args.config or (Path("bootstrap.toml") if Path("bootstrap.toml").exists() else None)
+    if config_path is not None:
+        file_values = load_config_file(config_path)
+    config = NodeConfig(role=args.role, data_dir=args.data_dir, **file_values)
+    overrides = {
+        "swarm": args.swarm,
+        "bootstrap": tuple(parse_multiaddr(a, "--bootstrap", need_peer_id=True) for a in args.bootstrap)
+        if args.bootstrap
+        else None,
+        "trainer_id": parse_peer_id(args.trainer, "--trainer") if args.trainer else None,
+        "listen": parse_multiaddr(args.listen, "--listen", need_peer_id=False) if args.listen else None,
+        "key_path": args.key,
+        "provide_interval": args.provide_interval,
+        "bootstrap_timeout": args.bootstrap_timeout,
+    }
+    return config.with_overrides(**overrides)
+
+
+def build_role(args: argparse.Namespace, config: NodeConfig):
+    me = peer_id_of(load_or_create_key(config.identity_path))
+    if config.role == "bootstrap":
+        from node.roles.bootstrap import BootstrapRole
+
+        return BootstrapRole()
+    if config.role == "trainer":
+        from node.roles.trainer import TrainerRole
+        from trainer.settings import TrainerSettings
+
+        if config.trainer_id is not None and config.trainer_id != me:
+            raise UserError(
+                f"this node's peer id is {me}, but the config trusts trainer {config.trainer_id}; "
+                "use the trainer's key (--key) or fix swarm.trainer"
+            )
+        settings = TrainerSettings(
+            model_dir=args.model,
+            task=args.task,
+            group_size=args.group_size,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            max_staleness=args.max_staleness,
+        )
+        return TrainerRole(config.swarm, config.data_dir, settings, config.provide_interval)
+    from node.engines import make_engine
+    from node.roles.sampler import SamplerRole
+    from node.roles.trainer import resolve_model_dir
+
+    if config.trainer_id is None:
+        raise UserError("a sampler needs the trusted trainer peer id: set swarm.trainer in bootstrap.toml or --trainer")
+    bits = None if args.bits == "none" else int(args.bits)
+    engine = make_engine(args.engine, resolve_model_dir(args.model, config.data_dir), bits=bits)
+    return SamplerRole(config.swarm, config.trainer_id, engine, config.provide_interval, config.discover_interval)
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    from node.runtime import run_node
+
+    config = build_config(args)
+    role = build_role(args, config)
+    trio.run(run_node, config, role)
+    return 0
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    print(peer_id_of(load_or_create_key(args.key)))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from node.status import read_status
+
+    try:
+        fields = read_status(args.data_dir)
+    except FileNotFoundError:
+        raise UserError(f"no status in {args.data_dir}: is a node running with --data-dir {args.data_dir}?") from None
+    age = time.time() - fields.get("updated", 0)
+    print(json.dumps(fields, indent=2, sort_keys=True))
+    if age > 30:
+        print(f"(written {age:.0f} s ago: the node may have stopped)")
+    return 0
+
+
+def cmd_build_model(args: argparse.Namespace) -> int:
+    from trainer.tiny_model import build_tiny_model
+
+    print(build_tiny_model(args.out, seed=args.seed))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="swarmrl", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_node_args(sub.add_parser("node", help="run a swarm node"))
+    p = sub.add_parser("keygen", help="create (or read) an identity key and print its peer id")
+    p.add_argument("--key", type=Path, required=True)
+    p = sub.add_parser("status", help="show a running node's status")
+    p.add_argument("--data-dir", type=Path, default=Path(".swarmrl"))
+    p = sub.add_parser("build-model", help="write the embedded tiny model to a directory")
+    p.add_argument("out", type=Path)
+    p.add_argument("--seed", type=int, default=0)
+    from node.demo import add_demo_args, cmd_demo
+
+    add_demo_args(sub.add_parser("demo", help="run a local swarm on loopback (trainer + samplers)"))
+    args = parser.parse_args(argv)
+    setup_logging(getattr(args, "verbose", False))
+    handlers = {
+        "node": cmd_node,
+        "keygen": cmd_keygen,
+        "status": cmd_status,
+        "build-model": cmd_build_model,
+        "demo": cmd_demo,
+    }
+    try:
+        return handlers[args.command](args)
+    except UserError as exc:
+        print(f"swarmrl: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""Sampler role: finds the trainer (and other samplers) through the DHT, asks for work, generates GRPO
+groups with its engine off the event loop, and sends each group straight to the trainer."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from typing import Any
+
+import trio
+from libp2p.peer.id import ID
+
+from node.discovery import find_role, provide_forever, role_key
+from node.engines import Engine
+from node.host import Swarm
+from node.rpc import request
+from protocols import rollouts, work
+from protocols.errors import ProtocolError, RemoteError
+from protocols.rollouts import RolloutAck, RolloutGroup, Sample
+from protocols.work import TaskSpec, WorkLease, WorkRequest
+
+log = logging.getLogger(__name__)
+
+SUBMIT_ATTEMPTS = 5
+
+
+class SamplerRole:
+    name = "sampler"
+
+    def __init__(
+        self,
+        swarm_name: str,
+        trainer_id: ID,
+        engine: Engine,
+        provide_interval: float,
+        discover_interval: float,
+        groups_per_request: int = 4,
+    ) -> None:
+        self.swarm_name = swarm_name
+        self.trainer_id = trainer_id
+        self.engine = engine
+        self.provide_interval = provide_interval
+        self.discover_interval = discover_interval
+        self.groups_per_request = groups_per_request
+        self.trainer_found = trio.Event()
+        self.samplers: set[str] = set()
+        self.groups_sent = 0
+        self.rollouts_accepted = 0
+        self.rollouts_rejected = 0
+        self.last_error = ""
+        self._engine_lock = trio.Lock()
+
+    def register(self, swarm: Swarm) -> None:
+        self.swarm = swarm
+
+    async def run(self, swarm: Swarm) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(provide_forever, swarm, role_key(self.swarm_name, "sampler"), self.provide_interval)
+            nursery.start_soon(self._discover_loop, swarm)
+            nursery.start_soon(self._work_loop, swarm)
+
+    # -- discovery -----------------------------------------------------------------------------------
+    async def _discover_loop(self, swarm: Swarm) -> None:
+        while True:
+            if not self.trainer_found.is_set() or not self._trainer_connected(swarm):
+                await self._find_trainer(swarm)
+            for info in await find_role(swarm, role_key(self.swarm_name, "sampler")):
+                if str(info.peer_id) not in self.samplers:
+                    try:
+                        await swarm.connect(info)
+                        self.samplers.add(str(info.peer_id))
+                    except Exception as exc:
+                        log.debug("cannot reach sampler %s: %s", info.peer_id, exc)
+            await trio.sleep(self.discover_interval if not self.trainer_found.is_set() else 4 * self.discover_interval)
+
+    def _trainer_connected(self, swarm: Swarm) -> bool:
+        return self.trainer_id in swarm.host.get_connected_peers()
+
+    async def _find_trainer(self, swarm: Swarm) -> None:
+        found = await find_role(swarm, role_key(self.swarm_name, "trainer"))
+        log.debug("trainer providers: %s", [str(i.peer_id) for i in found])
+        for info in found:
+            if info.peer_id != self.trainer_id:
+                log.warning("ignoring trainer provider %s: not the trusted trainer %s", info.peer_id, self.trainer_id)
+                continue
+            try:
+                await swarm.connect(info)
+            except Exception as exc:
+                log.info("trainer %s found but unreachable: %s", info.peer_id, exc)
+                continue
+            if not self.trainer_found.is_set():
+                log.info("found trainer %s through the DHT", info.peer_id)
+            self.trainer_found.set()
+
+    # -- work ----------------------------------------------------------------------------------------
+    async def _work_loop(self, swarm: Swarm) -> None:
+        backoff = 0.5
+        while True:
+            await self.trainer_found.wait()
+            try:
+                reply = await request(
+                    swarm.host,
+                    self.trainer_id,
+                    work.PROTOCOL_ID,
+                    WorkRequest(self.groups_per_request).to_wire(),
+                    max_request=work.MAX_FRAME,
+                    max_reply=work.MAX_FRAME,
+                )
+                lease = WorkLease.from_wire(reply)
+            except RemoteError as exc:
+                self.last_error = str(exc)
+                log.warning("trainer refused work: %s", exc)
+                await trio.sleep(backoff := min(backoff * 2, 30.0))
+                continue
+            except (ProtocolError, trio.TooSlowError, Exception) as exc:
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                log.info("work request failed (%s); looking for the trainer again", self.last_error)
+                self.trainer_found = trio.Event()  # the trainer may have restarted elsewhere: rediscover it
+                await trio.sleep(backoff := min(backoff * 2, 10.0))
+                continue
+            backoff = 0.5
+            for spec in lease.tasks:
+                group = await self.sample_group(lease, spec)
+                await self.submit(swarm, group)
+
+    async def sample_group(self, lease: WorkLease, spec: TaskSpec) -> RolloutGroup:
+        """Generate one group on one engine version (the lock keeps a hot swap out until it finishes)."""
+        sp = lease.sampling
+        async with self._engine_lock:
+            version = self.engine.version
+            gens = await trio.to_thread.run_sync(
+                lambda: self.engine.generate(
+                    [spec.prompt_ids] * lease.group_size,
+                    temperature=sp.temperature,
+                    top_p=sp.top_p,
+                    max_tokens=sp.max_tokens,
+                    seed=spec.seed,
+                )
+            )
+        group_id = secrets.token_hex(8)
+        return RolloutGroup(
+            group_id=group_id,
+            lease_id=lease.lease_id,
+            task_id=spec.task_id,
+            seed=spec.seed,
+            version=version,
+            sampler=str(self.swarm.peer_id),
+            prompt_ids=spec.prompt_ids,
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            quant=self.engine.quant,
+            samples=[
+                Sample(f"{group_id}/{i}", g.completion_ids, g.logprobs, g.finish_reason) for i, g in enumerate(gens)
+            ],
+        )
+
+    async def submit(self, swarm: Swarm, group: RolloutGroup) -> RolloutAck | None:
+        """Send a group until it is acknowledged; resends are safe (the trainer dedupes by rollout id)."""
+        for attempt in range(SUBMIT_ATTEMPTS):
+            try:
+                reply = await request(
+                    swarm.host,
+                    self.trainer_id,
+                    rollouts.PROTOCOL_ID,
+                    group.to_wire(),
+                    max_request=rollouts.MAX_FRAME,
+                    max_reply=rollouts.MAX_ACK_FRAME,
+                    timeout=120.0,
+                )
+                ack = RolloutAck.from_wire(reply)
+            except RemoteError as exc:
+                self.last_error = str(exc)
+                log.warning("trainer refused group %s: %s", group.group_id, exc)
+                return None
+            except Exception as exc:
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                await trio.sleep(0.5 * 2**attempt)
+                continue
+            self.groups_sent += 1
+            self.rollouts_accepted += len(ack.accepted) + len(ack.duplicate)
+            self.rollouts_rejected += len(ack.rejected)
+            if ack.rejected:
+                self.last_error = ack.rejected[0][1]
+                log.info("trainer rejected group %s: %s", group.group_id, ack.rejected[0][1])
+            return ack
+        log.warning("gave up on group %s after %d attempts (%s)", group.group_id, SUBMIT_ATTEMPTS, self.last_error)
+        return None
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "trainer": str(self.trainer_id) if self.trainer_found.is_set() else "searching",
+            "version": self.engine.version,
+            "engine": f"{self.engine.name}/{self.engine.quant}",
+            "samplers_known": len(self.samplers),
+            "groups_sent": self.groups_sent,
+            "rollouts_accepted": self.rollouts_accepted,
+            "rollouts_rejected": self.rollouts_rejected,
+        }

@@ -1,0 +1,64 @@
+"""Runs one node: host + DHT, the role's handlers, bootstrap join, routing-table feeding, status reporting."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+import trio
+
+from node.config import NodeConfig
+from node.host import Swarm, join_bootstrap, open_swarm
+from node.identity import load_or_create_key
+from node.status import status_line, write_status
+
+log = logging.getLogger(__name__)
+
+
+class Role(Protocol):
+    name: str
+
+    def register(self, swarm: Swarm) -> None: ...
+
+    async def run(self, swarm: Swarm) -> None: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+
+def node_status(config: NodeConfig, swarm: Swarm, role: Role) -> dict[str, Any]:
+    return {
+        "role": role.name,
+        "peer_id": str(swarm.peer_id),
+        "addrs": [str(a) for a in swarm.addrs()],
+        "peers": len(swarm.host.get_connected_peers()),
+        "routing": swarm.dht.get_routing_table_size(),
+        **role.status(),
+    }
+
+
+async def run_node(config: NodeConfig, role: Role, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Run until cancelled. ``task_status.started`` receives the Swarm once the node has joined."""
+    key_pair = load_or_create_key(config.identity_path)
+    async with open_swarm(key_pair, config.listen) as swarm:
+        role.register(swarm)
+        reached = await join_bootstrap(swarm, config.bootstrap, config.bootstrap_timeout)
+        log.info(
+            "%s %s listening on %s; %d bootstrap peer(s) reached",
+            role.name,
+            swarm.peer_id,
+            ", ".join(map(str, swarm.addrs())),
+            reached,
+        )
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(swarm.feed_routing_table, 1.0)
+            nursery.start_soon(_report_status, config, swarm, role)
+            nursery.start_soon(role.run, swarm)
+            task_status.started(swarm)
+
+
+async def _report_status(config: NodeConfig, swarm: Swarm, role: Role) -> None:
+    while True:
+        fields = node_status(config, swarm, role)
+        write_status(config.data_dir, fields)
+        log.info("status %s", status_line(fields))
+        await trio.sleep(config.status_interval)

@@ -1,0 +1,57 @@
+"""Verified rollouts waiting for a gradient step, idempotent by rollout id, with a staleness bound."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class VerifiedGroup:
+    """One GRPO group the trainer checked itself: rewards are its own, logprobs the sampler's (mu)."""
+
+    group_id: str
+    peer: str
+    version: int
+    task_id: str
+    seed: int
+    prompt_ids: list[int]
+    completions: list[list[int]]
+    sampler_logprobs: list[list[float]]
+    rewards: list[float]
+    solved: list[bool]
+    temperature: float
+
+
+class RolloutBuffer:
+    def __init__(self, max_groups: int = 4096) -> None:
+        self._groups: deque[VerifiedGroup] = deque()
+        self.max_groups = max_groups
+        self.seen_ids: set[str] = set()
+        self.accepted = 0
+        self.dropped_stale = 0
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def is_duplicate(self, rollout_id: str) -> bool:
+        return rollout_id in self.seen_ids
+
+    def add(self, group: VerifiedGroup, rollout_ids: list[str]) -> None:
+        self.seen_ids.update(rollout_ids)
+        self._groups.append(group)
+        self.accepted += len(rollout_ids)
+        while len(self._groups) > self.max_groups:
+            self._groups.popleft()
+            self.dropped_stale += 1
+
+    def take(self, n_groups: int, current_version: int, max_staleness: int) -> list[VerifiedGroup]:
+        """Pop up to ``n_groups`` oldest groups, dropping (and counting) those too stale to train on."""
+        out: list[VerifiedGroup] = []
+        while self._groups and len(out) < n_groups:
+            g = self._groups.popleft()
+            if current_version - g.version > max_staleness:
+                self.dropped_stale += 1
+                continue
+            out.append(g)
+        return out
