@@ -23,7 +23,7 @@ def setup_logging(verbose: bool) -> None:
         datefmt="%H:%M:%S",
     )
     for noisy in ("libp2p", "multiaddr", "httpx", "urllib3"):
-        logging.getLogger(noisy).setLevel(logging.ERROR if not verbose else logging.INFO)
+        logging.getLogger(noisy).setLevel(logging.CRITICAL if not verbose else logging.INFO)
 
 
 def add_node_args(p: argparse.ArgumentParser) -> None:
@@ -143,6 +143,13 @@ def cmd_build_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def first_leaf(exc: BaseException) -> BaseException:
+    """Trio nests errors in exception groups; a user wants the one error that matters."""
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="swarmrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -168,11 +175,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         return handlers[args.command](args)
-    except UserError as exc:
-        print(f"swarmrl: error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
+    except BaseException as exc:
+        user_errors = exc.split(UserError)[0] if isinstance(exc, BaseExceptionGroup) else exc
+        if not isinstance(user_errors, (UserError, BaseExceptionGroup)):
+            raise
+        print(f"swarmrl: error: {first_leaf(user_errors)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

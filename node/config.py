@@ -30,9 +30,16 @@ def parse_multiaddr(text: str, where: str, *, need_peer_id: bool) -> multiaddr.M
 
 def parse_peer_id(text: str, where: str) -> ID:
     try:
-        return ID.from_base58(text)
+        pid = ID.from_base58(text)
+        raw = pid.to_bytes()
     except Exception:
         raise UserError(f"bad peer id {text!r} in {where}") from None
+    # a peer id is a multihash: identity (inline public key, '12D3Koo...') or sha2-256 ('Qm...')
+    identity = len(raw) > 2 and raw[0] == 0x00 and raw[1] == len(raw) - 2
+    sha256 = len(raw) == 34 and raw[0] == 0x12 and raw[1] == 0x20
+    if not (identity or sha256):
+        raise UserError(f"bad peer id {text!r} in {where}: not a libp2p peer id multihash")
+    return pid
 
 
 @dataclass(frozen=True)

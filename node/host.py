@@ -111,7 +111,7 @@ async def join_bootstrap(swarm: Swarm, addrs: tuple[multiaddr.Multiaddr, ...], t
                 await swarm.connect(info, timeout=max(1.0, min(10.0, deadline - trio.current_time())))
                 reached += 1
             except Exception as exc:
-                errors[str(info.peer_id)] = f"{type(exc).__name__}: {exc}"[:200]
+                errors.setdefault(str(info.peer_id), f"{type(exc).__name__}: {exc}"[:200])
         if reached:
             return reached
         if trio.current_time() >= deadline:

@@ -121,7 +121,9 @@ class RolloutVerifier:
         if ours is None:
             raise Rejected(f"version {g.version} is no longer kept for verification")
         mean_tol, max_tol = self.tolerances.get(g.quant, self.tolerances["q4"])
-        diffs = [abs(a - b) for s, mine in zip(g.samples, ours, strict=True) for a, b in zip(s.logprobs, mine, strict=True)]
+        diffs = [
+            abs(a - b) for s, mine in zip(g.samples, ours, strict=True) for a, b in zip(s.logprobs, mine, strict=True)
+        ]
         mean = sum(diffs) / len(diffs)
         worst = max(diffs)
         if mean > mean_tol or worst > max_tol:

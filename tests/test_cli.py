@@ -1,0 +1,119 @@
+"""The `swarmrl` binary: clear errors for bad input, and a real swarm of separate processes on loopback."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from node.config import write_config_file
+from node.identity import load_or_create_key, peer_id_of
+
+CLI = [sys.executable, "-m", "node.cli"]
+
+
+def run_cli(*args: str, cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_bad_multiaddr_is_a_clear_error(tmp_path):
+    r = run_cli(
+        "node", "--role", "bootstrap", "--bootstrap", "/ip4/not-an-ip/tcp/1", "--data-dir", str(tmp_path), cwd=tmp_path
+    )
+    assert r.returncode == 2 and "bad multiaddr" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bad_config_file_is_a_clear_error(tmp_path):
+    cfg = tmp_path / "bootstrap.toml"
+    cfg.write_text("[swarm\nname = 'x'")
+    r = run_cli("node", "--role", "bootstrap", "--config", str(cfg), "--data-dir", str(tmp_path), cwd=tmp_path)
+    assert r.returncode == 2 and "not valid TOML" in r.stderr
+    cfg.write_text('[swarm]\nname = "x"\ntrainer = "nope"\n')
+    r = run_cli("node", "--role", "bootstrap", "--config", str(cfg), "--data-dir", str(tmp_path), cwd=tmp_path)
+    assert r.returncode == 2 and "bad peer id" in r.stderr
+
+
+def test_unreachable_bootstrap_is_a_clear_error(tmp_path):
+    other = peer_id_of(load_or_create_key(tmp_path / "other.key"))
+    r = run_cli(
+        "node",
+        "--role",
+        "bootstrap",
+        "--bootstrap",
+        f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{other}",
+        "--bootstrap-timeout",
+        "2",
+        "--data-dir",
+        str(tmp_path / "n"),
+        "--listen",
+        "/ip4/127.0.0.1/tcp/0",
+        cwd=tmp_path,
+    )
+    assert r.returncode == 2 and "could not reach any bootstrap peer" in r.stderr
+
+
+def test_sampler_without_trusted_trainer_is_refused(tmp_path):
+    r = run_cli("node", "--role", "sampler", "--data-dir", str(tmp_path), cwd=tmp_path)
+    assert r.returncode == 2 and "trusted trainer peer id" in r.stderr
+
+
+def read_status(d: Path) -> dict:
+    try:
+        return json.loads((d / "status.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+@pytest.mark.slow
+def test_swarm_of_separate_processes(tmp_path, tiny_model_dir):
+    port = free_port()
+    boot_id = peer_id_of(load_or_create_key(tmp_path / "boot" / "identity.key"))
+    trainer_id = peer_id_of(load_or_create_key(tmp_path / "trainer" / "identity.key"))
+    cfg = tmp_path / "bootstrap.toml"
+    write_config_file(cfg, "proc", [f"/ip4/127.0.0.1/tcp/{port}/p2p/{boot_id}"], str(trainer_id))
+    common = ["--config", str(cfg), "--provide-interval", "2", "--model", str(tiny_model_dir)]
+
+    def spawn(role: str, name: str, *extra: str) -> subprocess.Popen:
+        log = open(tmp_path / f"{name}.log", "w")
+        return subprocess.Popen(
+            [*CLI, "node", "--role", role, "--data-dir", str(tmp_path / name), *common, *extra],
+            cwd=tmp_path,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+    procs = [spawn("bootstrap", "boot", "--listen", f"/ip4/127.0.0.1/tcp/{port}")]
+    try:
+        time.sleep(2)
+        procs += [spawn("sampler", f"s{i}", "--listen", "/ip4/127.0.0.1/tcp/0") for i in range(2)]
+        procs.append(spawn("trainer", "trainer", "--listen", "/ip4/127.0.0.1/tcp/0", "--max-tokens", "6"))
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            states = [read_status(tmp_path / f"s{i}") for i in range(2)]
+            if all(s.get("rollouts_accepted", 0) > 0 and s.get("samplers_known") == 1 for s in states):
+                break
+            assert all(p.poll() is None for p in procs), (tmp_path / "trainer.log").read_text()[-2000:]
+            time.sleep(1)
+        for s in states:
+            assert s["trainer"] == str(trainer_id)
+            assert s["samplers_known"] == 1
+        shown = run_cli("status", "--data-dir", str(tmp_path / "trainer"), cwd=tmp_path)
+        assert shown.returncode == 0
+        trainer_state = json.loads(shown.stdout.split("\n(written")[0])
+        assert trainer_state["role"] == "trainer" and trainer_state["rollouts_accepted"] > 0
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=20)

@@ -1,0 +1,191 @@
+"""The trainer refuses bad input with a clear error reply and keeps running: malformed, oversized,
+wrong-version and schema-violating frames, and forged rollouts (identity, prompt, reward, logprobs)."""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+
+import msgpack
+import pytest
+import trio
+
+from node.engines import make_engine
+from node.host import open_swarm
+from node.identity import load_or_create_key
+from node.rpc import request
+from protocols import rollouts, work
+from protocols.errors import RemoteError
+from protocols.framing import FrameReader, unpack
+from protocols.rollouts import RolloutAck, RolloutGroup, Sample
+from protocols.work import WorkLease, WorkRequest
+from tests.swarm_helpers import LOOPBACK, start_bootstrap, start_trainer
+
+
+async def raw_exchange(client, trainer_id, payload: bytes) -> dict:
+    stream = await client.host.new_stream(trainer_id, [rollouts.PROTOCOL_ID])
+    await stream.write(payload)
+    reply = await FrameReader(stream).read_body(1 << 20)
+    await stream.close()
+    return unpack(reply, 1 << 20)
+
+
+def framed(body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + body
+
+
+@pytest.fixture
+async def trainer_and_client(tmp_path, tiny_model_dir, nursery):
+    boot = await start_bootstrap(nursery, tmp_path)
+    trainer = await start_trainer(nursery, tmp_path, boot, tiny_model_dir, group_size=4, max_tokens=6)
+    client_cm = open_swarm(load_or_create_key(tmp_path / "client.key"), LOOPBACK)
+    client = await client_cm.__aenter__()
+    from libp2p.peer.peerinfo import info_from_p2p_addr
+
+    await client.connect(info_from_p2p_addr(trainer.swarm.addrs()[0]))
+    yield trainer, client
+    await client_cm.__aexit__(None, None, None)
+
+
+async def get_lease(client, trainer) -> WorkLease:
+    reply = await request(
+        client.host,
+        trainer.swarm.peer_id,
+        work.PROTOCOL_ID,
+        WorkRequest(2).to_wire(),
+        max_request=work.MAX_FRAME,
+        max_reply=work.MAX_FRAME,
+    )
+    return WorkLease.from_wire(reply)
+
+
+async def test_bad_frames_get_error_replies_and_trainer_survives(trainer_and_client):
+    trainer, client = trainer_and_client
+    tid = trainer.swarm.peer_id
+    bad = await raw_exchange(client, tid, framed(b"\xc1\xff\x00garbage"))
+    assert bad["t"] == "error" and bad["code"] == "malformed"
+    huge = await raw_exchange(client, tid, struct.pack(">I", 100 << 20) + b"x" * 1000)
+    assert huge["t"] == "error" and huge["code"] == "too_large"
+    wrong_version = await raw_exchange(client, tid, framed(msgpack.packb({"v": 99, "t": "rollouts"})))
+    assert wrong_version["code"] == "version"
+    not_a_map = await raw_exchange(client, tid, framed(msgpack.packb([1, 2, 3])))
+    assert not_a_map["code"] == "malformed"
+    schema = await raw_exchange(client, tid, framed(msgpack.packb({"v": 1, "t": "rollouts", "samples": "x"})))
+    assert schema["code"] == "schema"
+    # a peer that vanishes mid-frame: announce 1000 bytes, send 10, reset
+    stream = await client.host.new_stream(tid, [rollouts.PROTOCOL_ID])
+    await stream.write(struct.pack(">I", 1000) + b"0123456789")
+    await stream.reset()
+    # still alive and serving
+    lease = await get_lease(client, trainer)
+    assert lease.group_size == 4 and len(lease.tasks) == 2
+
+
+async def test_forged_rollouts_are_rejected_and_offenders_banned(trainer_and_client, tiny_model_dir):
+    trainer, client = trainer_and_client
+    tid = trainer.swarm.peer_id
+    engine = make_engine("torch", tiny_model_dir)
+
+    async def honest_group(lease: WorkLease, i: int) -> RolloutGroup:
+        spec = lease.tasks[i]
+        sp = lease.sampling
+        gens = engine.generate(
+            [spec.prompt_ids] * lease.group_size,
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            max_tokens=sp.max_tokens,
+            seed=spec.seed,
+        )
+        gid = f"g{spec.seed}"
+        return RolloutGroup(
+            gid,
+            lease.lease_id,
+            spec.task_id,
+            spec.seed,
+            0,
+            str(client.peer_id),
+            spec.prompt_ids,
+            sp.temperature,
+            sp.top_p,
+            "torch",
+            [Sample(f"{gid}/{k}", g.completion_ids, g.logprobs, g.finish_reason) for k, g in enumerate(gens)],
+        )
+
+    async def send(group: RolloutGroup) -> RolloutAck:
+        reply = await request(
+            client.host,
+            tid,
+            rollouts.PROTOCOL_ID,
+            group.to_wire(),
+            max_request=rollouts.MAX_FRAME,
+            max_reply=rollouts.MAX_ACK_FRAME,
+        )
+        return RolloutAck.from_wire(reply)
+
+    lease = await get_lease(client, trainer)
+    good = await honest_group(lease, 0)
+    ack = await send(good)
+    assert len(ack.accepted) == 4 and not ack.rejected
+    again = await send(good)  # idempotent by rollout id
+    assert again.duplicate == [s.rollout_id for s in good.samples] and not again.accepted
+    assert trainer.role.buffer.accepted == 4
+
+    # unknown lease: rejected without blame
+    stray = dataclasses.replace(await honest_group(lease, 1), lease_id="feedfeedfeedfeed")
+    assert (await send(stray)).rejected
+    assert trainer.role.verifier.peers.strikes.get(str(client.peer_id), 0) == 0
+
+    honest = await honest_group(lease, 1)
+    forged_lp = dataclasses.replace(
+        honest, samples=[dataclasses.replace(s, logprobs=[-0.01] * len(s.logprobs)) for s in honest.samples]
+    )
+    ack = await send(forged_lp)
+    assert ack.rejected and "logprobs" in ack.rejected[0][1]
+
+    forged_reward = dataclasses.replace(
+        honest, samples=[dataclasses.replace(s, claimed_reward=1.0) for s in honest.samples]
+    )
+    ack = await send(forged_reward)
+    assert ack.rejected and "reward" in ack.rejected[0][1]
+
+    forged_id = dataclasses.replace(honest, sampler=str(trainer.swarm.peer_id))
+    ack = await send(forged_id)
+    assert ack.rejected and "arrived from" in ack.rejected[0][1]
+
+    assert str(client.peer_id) in trainer.role.verifier.peers.banned
+    # the honest group is now refused too, and so is new work
+    assert (await send(honest)).rejected
+    with pytest.raises(RemoteError, match="banned"):
+        await get_lease(client, trainer)
+    assert trainer.role.buffer.accepted == 4
+
+
+async def test_forged_prompt_is_rejected(trainer_and_client):
+    trainer, client = trainer_and_client
+    lease = await get_lease(client, trainer)
+    spec = lease.tasks[0]
+    samples = [Sample(f"x/{k}", [5, 2], [-1.0, -1.0], "stop") for k in range(lease.group_size)]
+    group = RolloutGroup(
+        "x",
+        lease.lease_id,
+        spec.task_id,
+        spec.seed,
+        0,
+        str(client.peer_id),
+        [*spec.prompt_ids[:-1], 7],
+        1.0,
+        1.0,
+        "q8",
+        samples,
+    )
+    reply = await request(
+        client.host,
+        trainer.swarm.peer_id,
+        rollouts.PROTOCOL_ID,
+        group.to_wire(),
+        max_request=rollouts.MAX_FRAME,
+        max_reply=rollouts.MAX_ACK_FRAME,
+    )
+    ack = RolloutAck.from_wire(reply)
+    assert ack.rejected and "prompt" in ack.rejected[0][1]
+    await trio.sleep(0)
