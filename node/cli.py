@@ -96,13 +96,18 @@ def build_role(args: argparse.Namespace, config: NodeConfig):
         return TrainerRole(config.swarm, config.data_dir, settings, config.provide_interval)
     from node.engines import make_engine
     from node.roles.sampler import SamplerRole
-    from node.roles.trainer import resolve_model_dir
 
     if config.trainer_id is None:
         raise UserError("a sampler needs the trusted trainer peer id: set swarm.trainer in bootstrap.toml or --trainer")
     bits = None if args.bits == "none" else int(args.bits)
-    engine = make_engine(args.engine, resolve_model_dir(args.model, config.data_dir), bits=bits)
-    return SamplerRole(config.swarm, config.trainer_id, engine, config.provide_interval, config.discover_interval)
+    return SamplerRole(
+        config.swarm,
+        config.trainer_id,
+        lambda path, version: make_engine(args.engine, path, bits=bits, version=version),
+        config.data_dir,
+        config.provide_interval,
+        config.discover_interval,
+    )
 
 
 def cmd_node(args: argparse.Namespace) -> int:

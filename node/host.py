@@ -10,6 +10,7 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import multiaddr
 import trio
@@ -47,6 +48,7 @@ class Swarm:
 
     host: IHost
     dht: KadDHT
+    gossip: Any = None  # node.weights.gossip.Gossip, attached by the runtime
 
     @property
     def peer_id(self) -> ID:

@@ -11,6 +11,7 @@ from node.config import NodeConfig
 from node.host import Swarm, join_bootstrap, open_swarm
 from node.identity import load_or_create_key
 from node.status import status_line, write_status
+from node.weights.gossip import open_gossip
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,8 @@ def node_status(config: NodeConfig, swarm: Swarm, role: Role) -> dict[str, Any]:
 async def run_node(config: NodeConfig, role: Role, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Run until cancelled. ``task_status.started`` receives the Swarm once the node has joined."""
     key_pair = load_or_create_key(config.identity_path)
-    async with open_swarm(key_pair, config.listen) as swarm:
+    async with open_swarm(key_pair, config.listen) as swarm, open_gossip(swarm.host) as gossip:
+        swarm.gossip = gossip
         role.register(swarm)
         reached = await join_bootstrap(swarm, config.bootstrap, config.bootstrap_timeout)
         log.info(

@@ -55,18 +55,25 @@ async def start_bootstrap(nursery, root: Path) -> Running:
     return await start(nursery, node_config(root, "bootstrap", "bootstrap"), BootstrapRole())
 
 
-async def start_trainer(nursery, root: Path, boot: Running, model_dir: Path, **settings) -> Running:
+async def start_trainer(nursery, root: Path, boot: Running, model_dir: Path, role_kw=None, **settings) -> Running:
     cfg = node_config(root, "trainer", "trainer", bootstrap=(boot.swarm.addrs()[0],))
-    role = TrainerRole(cfg.swarm, cfg.data_dir, TrainerSettings(model_dir=model_dir, **settings), cfg.provide_interval)
+    role = TrainerRole(
+        cfg.swarm,
+        cfg.data_dir,
+        TrainerSettings(model_dir=model_dir, **settings),
+        cfg.provide_interval,
+        **(role_kw or {}),
+    )
     return await start(nursery, cfg, role)
 
 
-async def start_sampler(nursery, root: Path, name: str, boot: Running, model_dir: Path, engine="mlx", bits=8):
+async def start_sampler(nursery, root: Path, name: str, boot: Running, engine="mlx", bits=8) -> Running:
     cfg = node_config(root, name, "sampler", bootstrap=(boot.swarm.addrs()[0],), trainer_id=trainer_peer_id(root))
     role = SamplerRole(
         cfg.swarm,
         cfg.trainer_id,
-        make_engine(engine, model_dir, bits=bits),
+        lambda path, v: make_engine(engine, path, bits=bits, version=v),
+        cfg.data_dir,
         cfg.provide_interval,
         cfg.discover_interval,
     )

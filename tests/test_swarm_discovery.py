@@ -11,7 +11,7 @@ async def test_samplers_find_trainer_and_each_other_via_dht(tmp_path, tiny_model
     async with trio.open_nursery() as nursery:
         boot = await start_bootstrap(nursery, tmp_path)
         # samplers first: the trainer appears after them and must still be found
-        samplers = [await start_sampler(nursery, tmp_path, f"s{i}", boot, tiny_model_dir) for i in range(3)]
+        samplers = [await start_sampler(nursery, tmp_path, f"s{i}", boot) for i in range(3)]
         await trio.sleep(1.0)
         assert not any(s.role.trainer_found.is_set() for s in samplers)
         trainer = await start_trainer(nursery, tmp_path, boot, tiny_model_dir, max_tokens=6)

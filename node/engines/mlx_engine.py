@@ -8,7 +8,6 @@ dedicated thread of its own, whichever thread (event loop or trio worker) calls 
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
@@ -20,6 +19,7 @@ from mlx_lm.utils import load_model
 
 from node.checkpoint import inspect_checkpoint
 from node.engines.base import Generation
+from node.engines.worker import ComputeThread
 from node.errors import UserError
 
 QUANT_NAMES = {None: "none", 8: "q8", 4: "q4"}
@@ -32,10 +32,11 @@ class MlxEngine:
         if bits not in QUANT_NAMES:
             raise UserError(f"unsupported quantization bits {bits!r}: use 8, 4 or none")
         info = inspect_checkpoint(model_dir)
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-engine")
-        self._thread.submit(self._init, info, model_dir, bits, group_size, version).result()
+        self._thread = ComputeThread("mlx-engine")
+        self._thread.call(self._init, info, model_dir, bits, group_size, version)
 
     def _init(self, info, model_dir: Path, bits: int | None, group_size: int, version: int) -> None:
+        self._stream = mx.new_stream(mx.default_device())  # one stream, owned by this engine's thread
         self.bits = bits
         self.group_size = group_size
         self.quant = QUANT_NAMES[bits]
@@ -57,7 +58,7 @@ class MlxEngine:
     def load_checkpoint(self, model_dir: Path, version: int) -> None:
         """Hot-swap: load new float weights, re-quantize them the same way, load_weights(strict=True)."""
         inspect_checkpoint(model_dir)
-        self._thread.submit(self._load_checkpoint, model_dir, version).result()
+        self._thread.call(self._load_checkpoint, model_dir, version)
 
     def _load_checkpoint(self, model_dir: Path, version: int) -> None:
         weights: dict[str, mx.array] = {}
@@ -84,7 +85,7 @@ class MlxEngine:
     def generate(
         self, prompts: list[list[int]], *, temperature: float, top_p: float, max_tokens: int, seed: int
     ) -> list[Generation]:
-        return self._thread.submit(self._generate, prompts, temperature, top_p, max_tokens, seed).result()
+        return self._thread.call(self._generate, prompts, temperature, top_p, max_tokens, seed)
 
     def _generate(
         self, prompts: list[list[int]], temperature: float, top_p: float, max_tokens: int, seed: int
@@ -94,7 +95,7 @@ class MlxEngine:
             self.model,
             max_tokens=max_tokens,
             stop_tokens=[[t] for t in self.eos_ids],
-            stream=mx.new_stream(mx.default_device()),
+            stream=self._stream,
             sampler=make_sampler(temp=temperature, top_p=top_p if top_p < 1.0 else 0.0),
         )
         try:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -13,8 +15,12 @@ from libp2p.peer.id import ID
 from node.discovery import find_role, provide_forever, role_key
 from node.engines import Engine
 from node.host import Swarm
-from node.rpc import request
+from node.rpc import request, serve
+from node.weights.server import WeightServer
+from node.weights.store import ChunkStore
+from node.weights.sync import WeightSync
 from protocols import rollouts, work
+from protocols import weights as weights_proto
 from protocols.errors import ProtocolError, RemoteError
 from protocols.rollouts import RolloutAck, RolloutGroup, Sample
 from protocols.work import TaskSpec, WorkLease, WorkRequest
@@ -31,14 +37,19 @@ class SamplerRole:
         self,
         swarm_name: str,
         trainer_id: ID,
-        engine: Engine,
+        engine_factory: Callable[[Path, int], Engine],
+        data_dir: Path,
         provide_interval: float,
         discover_interval: float,
         groups_per_request: int = 4,
     ) -> None:
         self.swarm_name = swarm_name
         self.trainer_id = trainer_id
-        self.engine = engine
+        self.engine_factory = engine_factory
+        self.engine: Engine | None = None
+        self.engine_ready = trio.Event()
+        self.store = ChunkStore(data_dir / "store")
+        self.weight_server = WeightServer(self.store)
         self.provide_interval = provide_interval
         self.discover_interval = discover_interval
         self.groups_per_request = groups_per_request
@@ -52,9 +63,34 @@ class SamplerRole:
 
     def register(self, swarm: Swarm) -> None:
         self.swarm = swarm
+        swarm.host.set_stream_handler(
+            weights_proto.PROTOCOL_ID,
+            serve(
+                "weights",
+                self.weight_server.handle,
+                weights_proto.MAX_REQUEST_FRAME,
+                weights_proto.MAX_REPLY_FRAME,
+                timeout=120.0,
+            ),
+        )
+        self.weights = WeightSync(
+            swarm, self.store, swarm.gossip, self.swarm_name, self.trainer_id, self.install_version
+        )
+
+    async def install_version(self, version: int, path: Path) -> None:
+        """First version: build the engine. Later ones: hot-swap, after any in-flight group finishes."""
+        if self.engine is None:
+            self.engine = await trio.to_thread.run_sync(self.engine_factory, path, version)
+            self.engine_ready.set()
+            log.info("engine %s/%s ready at version %d", self.engine.name, self.engine.quant, version)
+            return
+        async with self._engine_lock:
+            await trio.to_thread.run_sync(self.engine.load_checkpoint, path, version)
+        log.info("hot-swapped to version %d", version)
 
     async def run(self, swarm: Swarm) -> None:
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.weights.run)
             nursery.start_soon(provide_forever, swarm, role_key(self.swarm_name, "sampler"), self.provide_interval)
             nursery.start_soon(self._discover_loop, swarm)
             nursery.start_soon(self._work_loop, swarm)
@@ -95,6 +131,7 @@ class SamplerRole:
     # -- work ----------------------------------------------------------------------------------------
     async def _work_loop(self, swarm: Swarm) -> None:
         backoff = 0.5
+        await self.engine_ready.wait()
         while True:
             await self.trainer_found.wait()
             try:
@@ -126,6 +163,7 @@ class SamplerRole:
     async def sample_group(self, lease: WorkLease, spec: TaskSpec) -> RolloutGroup:
         """Generate one group on one engine version (the lock keeps a hot swap out until it finishes)."""
         sp = lease.sampling
+        assert self.engine is not None
         async with self._engine_lock:
             version = self.engine.version
             gens = await trio.to_thread.run_sync(
@@ -189,8 +227,9 @@ class SamplerRole:
     def status(self) -> dict[str, Any]:
         return {
             "trainer": str(self.trainer_id) if self.trainer_found.is_set() else "searching",
-            "version": self.engine.version,
-            "engine": f"{self.engine.name}/{self.engine.quant}",
+            "version": self.engine.version if self.engine else -1,
+            "engine": f"{self.engine.name}/{self.engine.quant}" if self.engine else "waiting for weights",
+            "bytes_uploaded": self.weight_server.bytes_served,
             "samplers_known": len(self.samplers),
             "groups_sent": self.groups_sent,
             "rollouts_accepted": self.rollouts_accepted,

@@ -1,0 +1,198 @@
+"""Downloads one version's missing chunks from several peers at once, rarest first, verifying each chunk.
+
+- Peers' have-bitfields are polled on an interval; the seed (trainer) holds everything.
+- Each peer gets a few workers; a worker asks its peer for a small batch of the rarest chunks that the
+  peer holds and nobody is fetching yet. The seed is asked only for chunks no other peer holds (or
+  when nothing else is moving), which keeps the trainer's upload near one copy of the model.
+- Every chunk's blake3 is checked before it is stored. A peer that serves a bad chunk gets a strike
+  (two and it is never used again); the chunk goes back to the pool and is fetched elsewhere.
+- A peer that vanishes mid-transfer just loses its workers; its chunks go back to the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import trio
+from libp2p.abc import IHost
+from libp2p.peer.id import ID
+
+from node.rpc import request
+from node.weights.store import BadChunk, ChunkStore
+from protocols import weights as w
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PeerPenalties:
+    """Strikes for serving corrupt chunks, shared across downloads; ``limit`` strikes and a peer is out."""
+
+    limit: int = 2
+    strikes: dict[ID, int] = field(default_factory=dict)
+
+    def strike(self, peer: ID) -> None:
+        self.strikes[peer] = self.strikes.get(peer, 0) + 1
+
+    def banned(self, peer: ID) -> bool:
+        return self.strikes.get(peer, 0) >= self.limit
+
+
+@dataclass
+class DownloadStats:
+    bytes_by_peer: dict[str, int] = field(default_factory=dict)
+    bad_chunks: int = 0
+    failed_requests: int = 0
+
+
+class Download:
+    def __init__(
+        self,
+        host: IHost,
+        store: ChunkStore,
+        manifest: w.Manifest,
+        manifest_id: bytes,
+        seed: ID | None,
+        peers: Callable[[], list[ID]],
+        penalties: PeerPenalties,
+        *,
+        workers_per_peer: int = 2,
+        batch: int = 4,
+        have_interval: float = 0.5,
+        request_timeout: float = 60.0,
+    ) -> None:
+        self.host = host
+        self.store = store
+        self.manifest = manifest
+        self.mid = manifest_id
+        self.seed = seed
+        self.peers = peers
+        self.penalties = penalties
+        self.workers_per_peer = workers_per_peer
+        self.batch = max(1, min(batch, w.MAX_CHUNKS_PER_REQUEST, (8 << 20) // manifest.chunk_size or 1))
+        self.have_interval = have_interval
+        self.request_timeout = request_timeout
+        self.chunks = manifest.all_chunks()
+        self.index = {h: i for i, h in enumerate(self.chunks)}
+        self.missing: set[int] = {self.index[h] for h in store.missing(manifest)}
+        self.in_flight: set[int] = set()
+        self.holders: dict[ID, set[int]] = {}
+        self.workers: dict[ID, int] = {}
+        self.stats = DownloadStats()
+        self._order = {i: random.random() for i in range(len(self.chunks))}  # spreads concurrent pulls apart
+        self._progress = trio.Event()
+
+    def _poke(self) -> None:
+        self._progress.set()
+        self._progress = trio.Event()
+
+    # -- choosing chunks ---------------------------------------------------------------------------------
+    def rarity(self, i: int, exclude: ID | None = None) -> int:
+        return sum(1 for p, bits in self.holders.items() if i in bits and p != exclude and p != self.seed)
+
+    def pick(self, peer: ID) -> list[int]:
+        bits = self.holders.get(peer, set())
+        candidates = [i for i in self.missing if i in bits and i not in self.in_flight]
+        if peer == self.seed:
+            unique = [i for i in candidates if self.rarity(i) == 0]
+            candidates = unique or (candidates if not self.in_flight else [])
+        candidates.sort(key=lambda i: (self.rarity(i, exclude=peer), self._order[i]))
+        return candidates[: self.batch]
+
+    # -- the download ------------------------------------------------------------------------------------
+    async def run(self) -> None:
+        if not self.missing:
+            return
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._poll_haves, nursery)
+            while self.missing:
+                await self._progress.wait()
+            nursery.cancel_scope.cancel()
+
+    async def _poll_haves(self, nursery: trio.Nursery) -> None:
+        while True:
+            candidates = [p for p in self.peers() if not self.penalties.banned(p)]
+            if self.seed is not None and self.seed not in candidates and not self.penalties.banned(self.seed):
+                candidates.append(self.seed)
+            async with trio.open_nursery() as polls:
+                for peer in candidates:
+                    polls.start_soon(self._poll_one, peer)
+            for peer in list(self.holders):
+                while self.workers.get(peer, 0) < self.workers_per_peer and not self.penalties.banned(peer):
+                    self.workers[peer] = self.workers.get(peer, 0) + 1
+                    nursery.start_soon(self._worker, peer)
+            self._poke()
+            await trio.sleep(self.have_interval)
+
+    async def _poll_one(self, peer: ID) -> None:
+        try:
+            reply = await request(
+                self.host,
+                peer,
+                w.PROTOCOL_ID,
+                w.get_have(self.mid),
+                max_request=w.MAX_REQUEST_FRAME,
+                max_reply=w.MAX_REPLY_FRAME,
+                timeout=5.0,
+            )
+            _mid, bits = w.parse_have(reply, len(self.chunks))
+        except Exception:
+            return  # not holding this version (yet), or gone
+        self.holders[peer] = {i for i in range(len(self.chunks)) if bits[i // 8] & (0x80 >> (i % 8))}
+
+    async def _worker(self, peer: ID) -> None:
+        failures = 0
+        try:
+            while self.missing and not self.penalties.banned(peer) and failures < 3:
+                batch = self.pick(peer)
+                if not batch:
+                    with trio.move_on_after(self.have_interval):
+                        await self._progress.wait()
+                    continue
+                self.in_flight.update(batch)
+                try:
+                    ok = await self._fetch(peer, batch)
+                finally:
+                    self.in_flight.difference_update(batch)
+                failures = 0 if ok else failures + 1
+                self._poke()
+        finally:
+            self.workers[peer] -= 1
+            if failures >= 3:
+                self.holders.pop(peer, None)  # gone or broken: stop counting its chunks
+
+    async def _fetch(self, peer: ID, batch: list[int]) -> bool:
+        hashes = [self.chunks[i] for i in batch]
+        try:
+            reply = await request(
+                self.host,
+                peer,
+                w.PROTOCOL_ID,
+                w.get_chunks(hashes),
+                max_request=w.MAX_REQUEST_FRAME,
+                max_reply=w.MAX_REPLY_FRAME,
+                timeout=self.request_timeout,
+            )
+            found, _missing = w.parse_chunks_reply(reply, hashes, self.manifest.chunk_size)
+        except Exception as exc:
+            self.stats.failed_requests += 1
+            log.debug("chunk request to %s failed: %s", peer, exc)
+            return False
+        for h, data in found.items():
+            try:
+                await trio.to_thread.run_sync(self.store.write, h, data)  # checks blake3 before storing
+            except BadChunk:
+                self.stats.bad_chunks += 1
+                self.penalties.strike(peer)
+                log.warning("peer %s served a corrupt chunk %s; fetching it elsewhere", peer, h.hex()[:12])
+                continue
+            self.missing.discard(self.index[h])
+            key = str(peer)
+            self.stats.bytes_by_peer[key] = self.stats.bytes_by_peer.get(key, 0) + len(data)
+        if len(found) < len(hashes):
+            # the peer no longer has some of what it advertised: refresh on the next poll
+            self.holders.get(peer, set()).difference_update(self.index[h] for h in hashes if h not in found)
+        return True

@@ -1,0 +1,108 @@
+"""Cutting a checkpoint directory into chunks, and signing / verifying the manifest that lists them.
+
+Chunks never straddle two tensors of the weight file: a tensor that did not change between versions
+yields the same chunks, so a new version costs only its changed tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import blake3
+from libp2p.crypto.keys import KeyPair
+from libp2p.crypto.serialization import deserialize_public_key
+from libp2p.peer.id import ID
+
+from protocols.errors import ProtocolError
+from protocols.weights import SIGN_DOMAIN, FileEntry, Manifest, SignedManifest, TensorEntry
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+class ForgedManifest(ProtocolError):
+    code = "forged_manifest"
+
+
+def chunk_hash(data: bytes) -> bytes:
+    return blake3.blake3(data).digest()
+
+
+def manifest_id(signed: SignedManifest) -> bytes:
+    return blake3.blake3(signed.body).digest()
+
+
+def safetensors_layout(data: bytes) -> tuple[int, list[TensorEntry]]:
+    """(start of the data region, tensors with absolute offsets) of a safetensors file."""
+    (header_len,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + header_len])
+    start = 8 + header_len
+    tensors = []
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = meta["data_offsets"]
+        tensors.append(TensorEntry(name, meta["dtype"], list(meta["shape"]), start + begin, end - begin))
+    tensors.sort(key=lambda t: t.offset)
+    return start, tensors
+
+
+def cut(data: bytes, boundaries: list[int], chunk_size: int) -> list[tuple[int, int]]:
+    """Byte ranges covering ``data``: a new range at every boundary, and every ``chunk_size`` in between."""
+    cuts = sorted({0, len(data), *[b for b in boundaries if 0 < b < len(data)]})
+    ranges = []
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        ranges += [(x, min(x + chunk_size, b)) for x in range(a, b, chunk_size)]
+    return ranges
+
+
+@dataclass
+class CutCheckpoint:
+    files: list[FileEntry]
+    tensors: list[TensorEntry]
+    chunks: dict[bytes, bytes]
+
+
+def cut_checkpoint(model_dir: Path, chunk_size: int) -> CutCheckpoint:
+    files, chunks, tensors = [], {}, []
+    for path in sorted(p for p in Path(model_dir).iterdir() if p.is_file()):
+        data = path.read_bytes()
+        boundaries: list[int] = []
+        if path.name == WEIGHTS_FILE:
+            start, tensors = safetensors_layout(data)
+            boundaries = [start] + [t.offset for t in tensors]
+        hashes = []
+        for a, b in cut(data, boundaries, chunk_size):
+            piece = data[a:b]
+            h = chunk_hash(piece)
+            chunks[h] = piece
+            hashes.append(h)
+        files.append(FileEntry(path.name, len(data), hashes))
+    return CutCheckpoint(files, tensors, chunks)
+
+
+def sign_manifest(manifest: Manifest, key_pair: KeyPair) -> SignedManifest:
+    body = manifest.body()
+    return SignedManifest(body, key_pair.private_key.sign(SIGN_DOMAIN + body), key_pair.public_key.serialize())
+
+
+def verify_manifest(signed: SignedManifest, trusted: ID, swarm: str) -> Manifest:
+    """The manifest, if and only if the trusted trainer signed it for this swarm."""
+    try:
+        key = deserialize_public_key(signed.public_key)
+    except Exception:
+        raise ForgedManifest("manifest carries an unreadable public key") from None
+    if ID.from_pubkey(key) != trusted:
+        raise ForgedManifest(f"manifest signed by {ID.from_pubkey(key)}, not the trusted trainer {trusted}")
+    try:
+        ok = key.verify(SIGN_DOMAIN + signed.body, signed.signature)
+    except Exception:
+        ok = False
+    if not ok:
+        raise ForgedManifest("manifest signature does not verify")
+    manifest = Manifest.from_body(signed.body)
+    if manifest.swarm != swarm:
+        raise ForgedManifest(f"manifest is for swarm {manifest.swarm!r}, not {swarm!r}")
+    return manifest

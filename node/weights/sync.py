@@ -1,0 +1,149 @@
+"""Keeps a node on the newest policy version: learns of versions by gossip (and by asking the trainer),
+accepts only manifests signed by the trusted trainer, downloads, reassembles, hands the checkpoint over,
+then announces that it holds the version so others fetch from it."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import trio
+from libp2p.peer.id import ID
+
+from node.host import Swarm
+from node.rpc import request
+from node.weights.fetcher import Download, PeerPenalties
+from node.weights.gossip import Gossip, announce_topic
+from node.weights.manifest import ForgedManifest, manifest_id, verify_manifest
+from node.weights.store import ChunkStore
+from protocols import weights as w
+from protocols.errors import ProtocolError
+
+log = logging.getLogger(__name__)
+
+
+class WeightSync:
+    def __init__(
+        self,
+        swarm: Swarm,
+        store: ChunkStore,
+        gossip: Gossip,
+        swarm_name: str,
+        trainer_id: ID,
+        on_version: Callable[[int, Path], Awaitable[None]],
+        *,
+        poll_interval: float = 5.0,
+        keep_versions: int = 3,
+    ) -> None:
+        self.swarm = swarm
+        self.store = store
+        self.gossip = gossip
+        self.swarm_name = swarm_name
+        self.trainer_id = trainer_id
+        self.on_version = on_version
+        self.poll_interval = poll_interval
+        self.keep_versions = keep_versions
+        self.penalties = PeerPenalties()
+        self.current: int = -1
+        self.target: tuple[int, bytes, w.Manifest] | None = None
+        self.forged_manifests = 0
+        self.download: Download | None = None
+        self._target_changed = trio.Event()
+
+    def peers(self) -> list[ID]:
+        return [p for p in self.swarm.host.get_connected_peers() if p != self.swarm.peer_id]
+
+    async def run(self) -> None:
+        latest = self.store.latest()  # resume: a version fully on disk is usable at once
+        if latest is not None:
+            await self._activate(latest[0], latest[2])
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.gossip.listen, announce_topic(self.swarm_name), self._on_announce)
+            nursery.start_soon(self._poll_trainer)
+            nursery.start_soon(self._download_loop)
+
+    async def _on_announce(self, sender: ID, message: dict[str, Any]) -> None:
+        version, mid = w.parse_announce(message)
+        if (self.target is not None and version <= self.target[0]) or version <= self.current:
+            return
+        await self.consider(sender, mid)
+
+    async def _poll_trainer(self) -> None:
+        """Gossip can miss a late joiner; ask the trainer for its newest manifest now and then."""
+        while True:
+            if self.trainer_id in self.swarm.host.get_connected_peers():
+                await self.consider(self.trainer_id, None)
+            await trio.sleep(self.poll_interval)
+
+    async def consider(self, peer: ID, mid: bytes | None) -> None:
+        """Fetch a manifest from ``peer``; if the trusted trainer signed it and it is newer, make it the target."""
+        known = self.store.manifest(mid) if mid else None
+        if known is None:
+            try:
+                reply = await request(
+                    self.swarm.host,
+                    peer,
+                    w.PROTOCOL_ID,
+                    w.get_manifest(mid),
+                    max_request=w.MAX_REQUEST_FRAME,
+                    max_reply=w.MAX_MANIFEST_BODY + 4096,
+                    timeout=30.0,
+                )
+                signed = w.SignedManifest.from_wire(reply)
+                manifest = verify_manifest(signed, self.trainer_id, self.swarm_name)
+            except ForgedManifest as exc:
+                self.forged_manifests += 1
+                self.penalties.strike(peer)
+                log.warning("rejected a manifest from %s: %s", peer, exc)
+                return
+            except (ProtocolError, Exception) as exc:
+                log.debug("no manifest from %s: %s", peer, exc)
+                return
+            mid = manifest_id(signed)
+        else:
+            signed, manifest = known
+        newest = self.target[0] if self.target is not None else self.current
+        if manifest.version <= newest:
+            return
+        self.store.add_manifest(signed, manifest)
+        self.target = (manifest.version, mid, manifest)
+        log.info(
+            "new version %d announced (%d chunks, %.1f MB)",
+            manifest.version,
+            len(manifest.all_chunks()),
+            manifest.total_size / 1e6,
+        )
+        self._target_changed.set()
+
+    async def _download_loop(self) -> None:
+        while True:
+            await self._target_changed.wait()
+            self._target_changed = trio.Event()
+            version, mid, manifest = self.target
+            download = Download(self.swarm.host, self.store, manifest, mid, self.trainer_id, self.peers, self.penalties)
+            self.download = download
+            with trio.CancelScope() as scope:
+                async with trio.open_nursery() as nursery:
+                    # a newer target cancels this download; chunks already stored are kept for the next one
+                    async def cancel_on_newer() -> None:
+                        await self._target_changed.wait()
+                        scope.cancel()
+
+                    nursery.start_soon(cancel_on_newer)
+                    await download.run()
+                    nursery.cancel_scope.cancel()
+            if scope.cancelled_caught:
+                continue
+            await self._activate(mid, manifest)
+
+    async def _activate(self, mid: bytes, manifest: w.Manifest) -> None:
+        path = await trio.to_thread.run_sync(self.store.assemble, manifest)
+        await self.on_version(manifest.version, path)
+        self.current = manifest.version
+        try:
+            await self.gossip.publish(announce_topic(self.swarm_name), w.announce(manifest.version, mid))
+        except Exception as exc:
+            log.debug("announce failed: %s", exc)
+        await trio.to_thread.run_sync(self.store.gc, self.keep_versions)
