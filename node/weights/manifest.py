@@ -6,6 +6,7 @@ yields the same chunks, so a new version costs only its changed tensors.
 
 from __future__ import annotations
 
+import itertools
 import json
 import struct
 from dataclasses import dataclass
@@ -53,7 +54,7 @@ def cut(data: bytes, boundaries: list[int], chunk_size: int) -> list[tuple[int, 
     """Byte ranges covering ``data``: a new range at every boundary, and every ``chunk_size`` in between."""
     cuts = sorted({0, len(data), *[b for b in boundaries if 0 < b < len(data)]})
     ranges = []
-    for a, b in zip(cuts, cuts[1:], strict=False):
+    for a, b in itertools.pairwise(cuts):
         ranges += [(x, min(x + chunk_size, b)) for x in range(a, b, chunk_size)]
     return ranges
 

@@ -121,7 +121,7 @@ class WeightSync:
         while True:
             await self._target_changed.wait()
             self._target_changed = trio.Event()
-            version, mid, manifest = self.target
+            _version, mid, manifest = self.target
             download = Download(self.swarm.host, self.store, manifest, mid, self.trainer_id, self.peers, self.penalties)
             self.download = download
             with trio.CancelScope() as scope:
