@@ -15,12 +15,11 @@ from libp2p.peer.id import ID
 from node.discovery import find_role, provide_forever, role_key
 from node.engines import Engine
 from node.host import Swarm
-from node.rpc import request, serve
+from node.rpc import request
 from node.weights.server import WeightServer
 from node.weights.store import ChunkStore
 from node.weights.sync import WeightSync
 from protocols import rollouts, work
-from protocols import weights as weights_proto
 from protocols.errors import ProtocolError, RemoteError
 from protocols.rollouts import RolloutAck, RolloutGroup, Sample
 from protocols.work import TaskSpec, WorkLease, WorkRequest
@@ -63,16 +62,7 @@ class SamplerRole:
 
     def register(self, swarm: Swarm) -> None:
         self.swarm = swarm
-        swarm.host.set_stream_handler(
-            weights_proto.PROTOCOL_ID,
-            serve(
-                "weights",
-                self.weight_server.handle,
-                weights_proto.MAX_REQUEST_FRAME,
-                weights_proto.MAX_REPLY_FRAME,
-                timeout=120.0,
-            ),
-        )
+        self.weight_server.register(swarm.host)
         self.weights = WeightSync(
             swarm, self.store, swarm.gossip, self.swarm_name, self.trainer_id, self.install_version
         )

@@ -83,7 +83,7 @@ class TrainerRole:
             self.task, self.leases, self.buffer, self.scorer, self.decode, self.eos_ids, settings.max_staleness
         )
         self.store = ChunkStore(data_dir / "store")
-        self.weight_server = WeightServer(self.store)
+        self.weight_server = WeightServer(self.store, super_seed=True)
         self.chunk_size = chunk_size
         self.encoding = encoding
         self.announce_interval = announce_interval
@@ -110,16 +110,7 @@ class TrainerRole:
         self.publisher = Publisher(
             self.store, key_pair, self.swarm_name, self.model_dir, self.chunk_size, self.encoding
         )
-        swarm.host.set_stream_handler(
-            weights_proto.PROTOCOL_ID,
-            serve(
-                "weights",
-                self.weight_server.handle,
-                weights_proto.MAX_REQUEST_FRAME,
-                weights_proto.MAX_REPLY_FRAME,
-                timeout=120.0,
-            ),
-        )
+        self.weight_server.register(swarm.host)
         swarm.host.set_stream_handler(work.PROTOCOL_ID, serve("work", self.on_work, work.MAX_FRAME, work.MAX_FRAME))
         swarm.host.set_stream_handler(
             rollouts.PROTOCOL_ID,

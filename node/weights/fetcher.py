@@ -59,10 +59,10 @@ class Download:
         peers: Callable[[], list[ID]],
         penalties: PeerPenalties,
         *,
-        workers_per_peer: int = 2,
+        workers_per_peer: int = 1,
         batch: int = 4,
         have_interval: float = 0.5,
-        request_timeout: float = 60.0,
+        request_timeout: float = 20.0,
     ) -> None:
         self.host = host
         self.store = store
@@ -72,7 +72,10 @@ class Download:
         self.peers = peers
         self.penalties = penalties
         self.workers_per_peer = workers_per_peer
-        self.batch = max(1, min(batch, w.MAX_CHUNKS_PER_REQUEST, (8 << 20) // manifest.chunk_size or 1))
+        # Replies stay <= ~1 MiB: py-libp2p's yamux can deadlock when two peers push big replies to each
+        # other over one connection (each read loop blocks writing a window update); small replies keep
+        # that rare, and the request timeout below breaks it when it happens.
+        self.batch = max(1, min(batch, w.MAX_CHUNKS_PER_REQUEST, (1 << 20) // manifest.chunk_size))
         self.have_interval = have_interval
         self.request_timeout = request_timeout
         self.chunks = manifest.all_chunks()

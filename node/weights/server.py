@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import trio
+from libp2p.abc import IHost
 from libp2p.peer.id import ID
 
+from node.rpc import serve
 from node.weights.store import ChunkStore
 from protocols import weights as w
 from protocols.errors import ProtocolError
@@ -17,10 +20,36 @@ class NotFound(ProtocolError):
 
 
 class WeightServer:
-    def __init__(self, store: ChunkStore) -> None:
+    """``super_seed`` (the trainer): a chunk is served again only once every chunk of the newest version
+    has been served as often, or ``reserve_after`` seconds after it was last served (the copy may have
+    been lost with its peer). So the first copies go to different peers, who then swap them: this keeps
+    the trainer's upload near one model per version however many samplers ask at once."""
+
+    def __init__(self, store: ChunkStore, super_seed: bool = False, reserve_after: float = 3.0) -> None:
         self.store = store
+        self.super_seed = super_seed
+        self.reserve_after = reserve_after
+        self._last_served: dict[bytes, float] = {}
         self.bytes_served = 0
         self.chunks_served = 0
+        self.throttled = 0
+        self._served: dict[bytes, int] = {}
+
+    def _floor(self) -> int:
+        latest = self.store.latest()
+        if latest is None:
+            return 0
+        return min((self._served.get(h, 0) for h in latest[2].all_chunks()), default=0)
+
+    def _may_serve(self, h: bytes, floor: int) -> bool:
+        if not self.super_seed or self._served.get(h, 0) <= floor:
+            return True
+        return time.monotonic() - self._last_served.get(h, 0.0) > self.reserve_after
+
+    def register(self, host: IHost) -> None:
+        host.set_stream_handler(
+            w.PROTOCOL_ID, serve("weights", self.handle, w.MAX_REQUEST_FRAME, w.MAX_REPLY_FRAME, timeout=30.0)
+        )
 
     async def handle(self, message: dict[str, Any], remote: ID) -> dict[str, Any]:
         kind, arg = w.parse_request(message)
@@ -36,7 +65,14 @@ class WeightServer:
             return entry[0].to_wire()
         if kind == "get_chunks":
             found, missing = [], []
+            floor = self._floor() if self.super_seed else 0
             for h in arg:
+                if not self._may_serve(h, floor):
+                    self.throttled += 1
+                    missing.append(h)  # "ask the others first": they will have it soon
+                    continue
+                self._served[h] = self._served.get(h, 0) + 1
+                self._last_served[h] = time.monotonic()
                 data = await trio.to_thread.run_sync(self.store.read, h)
                 if data is None:
                     missing.append(h)

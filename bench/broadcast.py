@@ -1,0 +1,173 @@
+"""bench/broadcast: deliver one policy version to N samplers on loopback, swarming vs a naive baseline.
+
+Swarm: samplers fetch rarest-first from the trainer and from each other (every peer re-serves).
+Naive: every sampler downloads the whole version from the trainer alone.
+Both run in this process, on the same model bytes, one after the other. Prints wall time and the
+trainer's upload for each N, and the ratios naive/swarm; writes bench/results/broadcast.png.
+
+    .venv/bin/python bench/broadcast.py [--mb 32] [--n 2 4 8] [--trainer-mbps 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from contextlib import AsyncExitStack
+from pathlib import Path
+from tempfile import TemporaryDirectory
+
+import multiaddr
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from rich.console import Console
+from rich.table import Table
+
+from node.host import open_swarm
+from node.rpc import serve
+from node.weights.fetcher import Download, PeerPenalties
+from node.weights.server import WeightServer
+from node.weights.store import ChunkStore
+from protocols import weights as w
+from trainer.policy import load_model
+from trainer.publish import Publisher
+from trainer.tiny_model import build_tiny_model
+
+console = Console()
+LOOPBACK = multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")
+
+
+class Uplink:
+    """The trainer's upload link as a shared token bucket: replies wait until the link could have sent them.
+    Stands in for a WAN uplink (the thing swarming saves); every other link is plain loopback."""
+
+    def __init__(self, mbps: float) -> None:
+        self.bytes_per_s = mbps * 1e6 / 8
+        self.free_at = 0.0
+
+    def wrap(self, handler):
+        async def limited(message, remote):
+            reply = await handler(message, remote)
+            size = sum(len(d) for _, d in reply.get("found", []))
+            if not size:
+                return reply
+            now = trio.current_time()
+            self.free_at = max(self.free_at, now) + size / self.bytes_per_s
+            await trio.sleep_until(self.free_at)
+            return reply
+
+        return limited
+
+
+async def deliver(root: Path, trainer_store: ChunkStore, n: int, swarming: bool, mbps: float) -> tuple[float, int]:
+    mid, signed, manifest = trainer_store.latest()
+    async with AsyncExitStack() as stack:
+        trainer = await stack.enter_async_context(open_swarm(create_new_key_pair(), LOOPBACK))
+        server = WeightServer(trainer_store, super_seed=swarming)
+        handler = Uplink(mbps).wrap(server.handle) if mbps else server.handle
+        trainer.host.set_stream_handler(w.PROTOCOL_ID, serve("w", handler, 1 << 16, w.MAX_REPLY_FRAME, 30))
+        nodes = []
+        for i in range(n):
+            sw = await stack.enter_async_context(open_swarm(create_new_key_pair(), LOOPBACK))
+            store = ChunkStore(root / f"{'swarm' if swarming else 'naive'}-{n}-{i}")
+            store.add_manifest(signed, manifest)
+            sw.host.set_stream_handler(
+                w.PROTOCOL_ID, serve("w", WeightServer(store).handle, 1 << 16, w.MAX_REPLY_FRAME, 30)
+            )
+            await sw.connect(info_from_p2p_addr(trainer.addrs()[0]))
+            nodes.append((sw, store))
+        if swarming:
+            for i, (a, _) in enumerate(nodes):
+                for b, _ in nodes[i + 1 :]:
+                    await a.connect(info_from_p2p_addr(b.addrs()[0]))
+        t0 = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for sw, store in nodes:
+                others = [o.peer_id for o, _ in nodes if o is not sw] if swarming else []
+                d = Download(sw.host, store, manifest, mid, trainer.peer_id, lambda o=others: o, PeerPenalties())
+                nursery.start_soon(d.run)
+        elapsed = time.perf_counter() - t0
+        for _, store in nodes:
+            assert not store.missing(manifest)
+        return elapsed, server.bytes_served
+
+
+async def main(mb: int, ns: list[int], mbps: float) -> None:
+    with TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        hidden = 256 if mb <= 8 else 512
+        layers = max(1, round(mb * 1e6 / (4 * 12 * hidden * hidden)))
+        model_dir = build_tiny_model(root / "model", layers=layers, hidden=hidden)
+        store = ChunkStore(root / "trainer")
+        key = create_new_key_pair()
+        _, _, manifest = Publisher(store, key, "bench", model_dir).publish(load_model(model_dir), 0)
+        size = manifest.total_size
+        console.print(f"version size {size / 1e6:.1f} MB in {len(manifest.all_chunks())} chunks")
+        rows = []
+        for n in ns:
+            with console.status(f"N={n}: swarm"):
+                t_swarm, up_swarm = await deliver(root, store, n, swarming=True, mbps=mbps)
+            with console.status(f"N={n}: naive"):
+                t_naive, up_naive = await deliver(root, store, n, swarming=False, mbps=mbps)
+            rows.append((n, t_swarm, up_swarm, t_naive, up_naive))
+        link = f"trainer uplink capped at {mbps:g} Mbit/s" if mbps else "no uplink cap"
+        table = Table(title=f"one version to N samplers (loopback, one process, {link})")
+        for col in (
+            "N",
+            "swarm s",
+            "swarm trainer upload",
+            "naive s",
+            "naive trainer upload",
+            "time ratio naive/swarm",
+            "upload ratio naive/swarm",
+        ):
+            table.add_column(col)
+        for n, ts, us, tn, un in rows:
+            table.add_row(
+                str(n),
+                f"{ts:.2f}",
+                f"{us / size:.2f}x model",
+                f"{tn:.2f}",
+                f"{un / size:.2f}x model",
+                f"{tn / ts:.2f}",
+                f"{un / us:.2f}",
+            )
+        console.print(table)
+        plot(rows, size)
+
+
+def plot(rows, size: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(__file__).parent / "results"
+    out.mkdir(exist_ok=True)
+    ns = [r[0] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
+    a.plot(ns, [r[2] / size for r in rows], "o-", label="swarm")
+    a.plot(ns, [r[4] / size for r in rows], "s--", label="naive")
+    a.set(xlabel="samplers", ylabel="trainer upload (x model size)", title="trainer upload")
+    a.legend()
+    b.plot(ns, [r[1] for r in rows], "o-", label="swarm")
+    b.plot(ns, [r[3] for r in rows], "s--", label="naive")
+    b.set(xlabel="samplers", ylabel="seconds", title="time to deliver")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(out / "broadcast.png", dpi=110)
+    console.print(f"plot: {out / 'broadcast.png'}")
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--mb", type=int, default=32)
+    p.add_argument("--n", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument(
+        "--trainer-mbps",
+        type=float,
+        default=50.0,
+        help="cap on the trainer's upload (0: none; then all peers share 2 CPU cores and time ratios ~1)",
+    )
+    args = p.parse_args()
+    trio.run(main, args.mb, args.n, args.trainer_mbps)

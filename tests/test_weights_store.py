@@ -1,0 +1,119 @@
+"""Chunking, signing and the on-disk store, without the network."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.id import ID
+
+from node.weights.manifest import ForgedManifest, manifest_id, safetensors_layout, sign_manifest, verify_manifest
+from node.weights.store import BadChunk, ChunkStore
+from protocols.weights import SignedManifest
+from trainer.policy import load_model
+from trainer.publish import Publisher
+
+CHUNK = 64 << 10
+
+
+@pytest.fixture
+def publisher(tmp_path, tiny_model_dir):
+    key = create_new_key_pair()
+    return Publisher(ChunkStore(tmp_path / "trainer"), key, "t", tiny_model_dir, chunk_size=CHUNK), key
+
+
+def test_chunks_are_tensor_aligned_and_unchanged_tensors_cost_nothing(publisher, tiny_model_dir):
+    pub, _ = publisher
+    model = load_model(tiny_model_dir)
+    _, _, m0 = pub.publish(model, 0)
+    weights = next(f for f in m0.files if f.path == "model.safetensors")
+    assert all(h in pub.store._present for h in weights.chunks)
+    # every tensor starts a chunk
+    starts, pos = set(), 0
+    for h in weights.chunks:
+        starts.add(pos)
+        pos += len(pub.store.read(h))
+    assert pos == weights.size
+    assert {t.offset for t in m0.tensors} <= starts
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.add_(0.01)
+    _, _, m1 = pub.publish(model, 1)
+    new = set(m1.all_chunks()) - set(m0.all_chunks())
+    changed = next(t for t in m1.tensors if t.name.endswith("layers.1.mlp.down_proj.weight"))
+    assert 0 < sum(len(pub.store.read(h)) for h in new) <= changed.nbytes + 4096  # that tensor (+ header)
+    assert m1.parent == 0
+
+
+def test_manifest_signature_is_checked(publisher, tiny_model_dir):
+    pub, key = publisher
+    _, signed, manifest = pub.publish(load_model(tiny_model_dir), 0)
+    trusted = ID.from_pubkey(key.public_key)
+    assert verify_manifest(signed, trusted, "t") == manifest
+    with pytest.raises(ForgedManifest, match="not the trusted trainer"):
+        verify_manifest(sign_manifest(manifest, create_new_key_pair()), trusted, "t")
+    tampered = SignedManifest(
+        signed.body.replace(b"model.safetensors", b"model.safetensorz"), signed.signature, signed.public_key
+    )
+    with pytest.raises(ForgedManifest, match="does not verify"):
+        verify_manifest(tampered, trusted, "t")
+    with pytest.raises(ForgedManifest, match="swarm"):
+        verify_manifest(signed, trusted, "other-swarm")
+
+
+def test_store_refuses_bad_chunks_and_resumes_after_restart(publisher, tiny_model_dir, tmp_path):
+    pub, _ = publisher
+    mid, signed, manifest = pub.publish(load_model(tiny_model_dir), 0)
+    mine = ChunkStore(tmp_path / "sampler")
+    h = manifest.all_chunks()[0]
+    with pytest.raises(BadChunk):
+        mine.write(h, pub.store.read(h) + b"x")
+    half = manifest.all_chunks()[: len(manifest.all_chunks()) // 2]
+    mine.put_verified({x: pub.store.read(x) for x in half})
+    mine.add_manifest(signed, manifest)
+    (mine.chunk_dir / "ab").mkdir(exist_ok=True)
+    (mine.chunk_dir / "ab" / ("ab" * 32 + ".tmp")).write_bytes(b"partial write from a crash")
+    restarted = ChunkStore(tmp_path / "sampler")
+    assert set(restarted.missing(manifest)) == set(manifest.all_chunks()) - set(half)
+    assert restarted.manifest(mid) is not None and restarted.latest() is None
+
+
+def test_reassembled_checkpoint_is_bit_exact_and_opens_in_transformers_and_mlx(publisher, tiny_model_dir, tmp_path):
+    pub, _ = publisher
+    _, _, manifest = pub.publish(load_model(tiny_model_dir), 0)
+    out = pub.store.assemble(manifest)
+    assert (out / "model.safetensors").read_bytes() == (tiny_model_dir / "model.safetensors").read_bytes()
+    from mlx_lm.utils import load_model as mlx_load
+
+    load_model(out)
+    mlx_load(out)
+
+
+def test_int8_encoding_downloads_a_byte_per_parameter(tmp_path, tiny_model_dir):
+    key = create_new_key_pair()
+    pub = Publisher(ChunkStore(tmp_path / "q"), key, "t", tiny_model_dir, chunk_size=CHUNK, encoding="int8")
+    model = load_model(tiny_model_dir)
+    _, _, manifest = pub.publish(model, 0)
+    fp32 = (tiny_model_dir / "model.safetensors").stat().st_size
+    weights = next(f for f in manifest.files if f.path == "model.safetensors")
+    assert weights.size < 0.3 * fp32
+    out = pub.store.assemble(manifest)
+    restored = load_model(out)
+    for (name, a), b in zip(model.state_dict().items(), restored.state_dict().values(), strict=True):
+        assert torch.allclose(a, b, atol=a.abs().max().item() / 100 + 1e-6), name
+    _, tensors = safetensors_layout((out / "model.safetensors").read_bytes())
+    assert all(t.dtype == "F32" for t in tensors)
+
+
+def test_gc_keeps_newest_versions_and_shared_chunks(publisher, tiny_model_dir):
+    pub, _ = publisher
+    model = load_model(tiny_model_dir)
+    metas = []
+    for v in range(4):
+        with torch.no_grad():
+            model.model.layers[0].mlp.up_proj.weight.mul_(1.01)
+        metas.append(pub.publish(model, v))
+    pub.store.gc(keep=2)
+    assert pub.store.manifest(metas[0][0]) is None and pub.store.manifest(metas[3][0]) is not None
+    assert not pub.store.missing(metas[2][2]) and not pub.store.missing(metas[3][2])
+    assert pub.store.missing(metas[0][2])  # its unique chunks are gone
+    assert manifest_id(metas[3][1]) == metas[3][0]

@@ -1,0 +1,149 @@
+"""Weights over the swarm: bit-exact delivery to several samplers, swarming that spares the trainer's upload,
+new versions hot-swapped in, a corrupt-chunk peer detected and routed around, forged manifests refused."""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+
+import torch
+import trio
+from libp2p.crypto.keys import KeyPair
+from libp2p.peer.peerinfo import info_from_p2p_addr
+
+from node.host import open_swarm
+from node.identity import load_or_create_key
+from node.rpc import serve
+from node.weights.gossip import announce_topic, open_gossip
+from node.weights.manifest import sign_manifest
+from node.weights.store import ChunkStore
+from protocols import weights as w
+from tests.swarm_helpers import LOOPBACK, start_bootstrap, start_sampler, start_trainer, wait_until
+
+CHUNK = 16 << 10
+
+
+def weights_bytes(store: ChunkStore, version: int) -> bytes:
+    return (store.checkpoint_dir / f"v{version}" / "model.safetensors").read_bytes()
+
+
+async def test_versions_reach_every_sampler_bit_exact_and_swarm(tmp_path, tiny_model_dir):
+    async with trio.open_nursery() as nursery:
+        boot = await start_bootstrap(nursery, tmp_path)
+        trainer = await start_trainer(nursery, tmp_path, boot, tiny_model_dir, role_kw={"chunk_size": CHUNK})
+        samplers = [await start_sampler(nursery, tmp_path, f"s{i}", boot) for i in range(3)]
+        await wait_until(lambda: all(s.role.engine_ready.is_set() for s in samplers), timeout=60)
+        _, _, m0 = trainer.role.store.latest()
+        reference = (await trio.to_thread.run_sync(trainer.role.store.assemble, m0)) / "model.safetensors"
+        for s in samplers:
+            assert weights_bytes(s.role.store, 0) == reference.read_bytes()
+            assert s.role.engine.version == 0
+        uploaded = trainer.role.weight_server.bytes_served
+        served_by_samplers = sum(s.role.weight_server.bytes_served for s in samplers)
+        assert uploaded + served_by_samplers >= 3 * m0.total_size * 0.99
+        assert served_by_samplers > 0, "samplers must re-serve chunks to each other"
+        assert uploaded < 2.5 * m0.total_size, (uploaded, m0.total_size)
+
+        # a new version: only changed tensors are new content, and every engine hot-swaps to it
+        with torch.no_grad():
+            trainer.role.model.model.layers[0].self_attn.q_proj.weight.mul_(-1.0)
+        before = trainer.role.weight_server.bytes_served
+        trainer.role.version = 1
+        await trainer.role.publish()
+        await wait_until(
+            lambda: all(s.role.engine is not None and s.role.engine.version == 1 for s in samplers), timeout=30
+        )
+        _, _, m1 = trainer.role.store.latest()
+        new_bytes = sum(len(trainer.role.store.read(h)) for h in set(m1.all_chunks()) - set(m0.all_chunks()))
+        assert new_bytes < 0.1 * m1.total_size
+        assert trainer.role.weight_server.bytes_served - before <= 3 * new_bytes + 3 * 4096
+        for s in samplers:
+            assert (s.role.store.checkpoint_dir / "v1").exists()
+        nursery.cancel_scope.cancel()
+
+
+async def test_corrupt_chunks_and_forged_manifests_are_refused(tmp_path, tiny_model_dir):
+    async with trio.open_nursery() as nursery, AsyncExitStack() as stack:
+        boot = await start_bootstrap(nursery, tmp_path)
+        trainer = await start_trainer(nursery, tmp_path, boot, tiny_model_dir, role_kw={"chunk_size": CHUNK})
+        await wait_until(lambda: trainer.role.published is not None, timeout=30)
+        _, _, m0 = trainer.role.store.latest()
+        key = load_or_create_key(tmp_path / "evil.key")
+        evil = await stack.enter_async_context(open_swarm(key, LOOPBACK))
+        gossip = await stack.enter_async_context(open_gossip(evil.host))
+        forged = sign_manifest(
+            w.Manifest(m0.swarm, 99, 0, m0.encoding, m0.chunk_size, m0.files, m0.tensors),
+            KeyPair(key.private_key, key.public_key),
+        )
+        served_bad = []
+
+        async def evil_handler(message, remote):
+            kind, arg = w.parse_request(message)
+            if kind == "get_have":
+                return w.have_reply(arg, b"\xff" * ((len(m0.all_chunks()) + 7) // 8))
+            if kind == "get_manifest":
+                return forged.to_wire()
+            bad = [(h, trainer.role.store.read(h)[::-1] + b"!") for h in arg]
+            served_bad.extend(arg)
+            return w.chunks_reply(bad, [])
+
+        evil.host.set_stream_handler(w.PROTOCOL_ID, serve("evil", evil_handler, 1 << 16, w.MAX_REPLY_FRAME))
+        await evil.connect(info_from_p2p_addr(boot.swarm.addrs()[0]))
+        sampler = await start_sampler(nursery, tmp_path, "s0", boot)
+        await evil.connect(info_from_p2p_addr(sampler.swarm.addrs()[0]))
+        for _ in range(5):
+            await gossip.publish(announce_topic("test"), w.announce(99, b"\x01" * 32))
+            await trio.sleep(0.3)
+
+        await wait_until(lambda: sampler.role.engine_ready.is_set(), timeout=60)
+        assert served_bad, "the corrupt peer was never asked: the test proves nothing"
+        assert sampler.role.weights.penalties.banned(evil.peer_id)
+        assert sampler.role.weights.forged_manifests >= 1
+        assert sampler.role.engine.version == 0
+        reference = await trio.to_thread.run_sync(trainer.role.store.assemble, m0)
+        assert weights_bytes(sampler.role.store, 0) == (reference / "model.safetensors").read_bytes()
+        nursery.cancel_scope.cancel()
+
+
+async def test_download_killed_midway_resumes_from_what_is_on_disk(tmp_path, tiny_model_dir):
+    from node.weights.fetcher import Download, PeerPenalties
+
+    async with trio.open_nursery() as nursery, AsyncExitStack() as stack:
+        boot = await start_bootstrap(nursery, tmp_path)
+        trainer = await start_trainer(nursery, tmp_path, boot, tiny_model_dir, role_kw={"chunk_size": 4 << 10})
+        await wait_until(lambda: trainer.role.published is not None, timeout=30)
+        mid, signed, manifest = trainer.role.store.latest()
+        me = await stack.enter_async_context(open_swarm(load_or_create_key(tmp_path / "me.key"), LOOPBACK))
+        await me.connect(info_from_p2p_addr(trainer.swarm.addrs()[0]))
+        total = len(manifest.all_chunks())
+
+        store = ChunkStore(tmp_path / "me")
+        store.add_manifest(signed, manifest)
+        first = Download(
+            me.host,
+            store,
+            manifest,
+            mid,
+            trainer.swarm.peer_id,
+            lambda: [],
+            PeerPenalties(),
+            workers_per_peer=1,
+            batch=1,
+        )
+        with trio.move_on_after(30):
+            async with trio.open_nursery() as inner:
+                inner.start_soon(first.run)
+                await wait_until(lambda: len(first.missing) < total // 2, timeout=30, interval=0.001)
+                inner.cancel_scope.cancel()  # the "kill": mid-transfer, requests in flight
+        got_first = sum(first.stats.bytes_by_peer.values())
+        assert 0 < got_first < manifest.total_size
+
+        restarted = ChunkStore(tmp_path / "me")  # a fresh process would see exactly this
+        assert restarted.manifest(mid) is not None
+        left = restarted.missing(manifest)
+        assert 0 < len(left) < total
+        second = Download(me.host, restarted, manifest, mid, trainer.swarm.peer_id, lambda: [], PeerPenalties())
+        await second.run()
+        assert sum(second.stats.bytes_by_peer.values()) == sum(len(trainer.role.store.read(h)) for h in left)
+        out = restarted.assemble(manifest)
+        assert (out / "model.safetensors").read_bytes() == (tiny_model_dir / "model.safetensors").read_bytes()
+        nursery.cancel_scope.cancel()
