@@ -1,24 +1,36 @@
-"""`swarmrl demo`: a local swarm on loopback as separate processes: bootstrap + trainer + N samplers."""
+"""`swarmrl demo`: a local swarm on loopback as separate processes (bootstrap + trainer + N samplers),
+with progress bars; the trainer learns the built-in task and the reward visibly rises.
+Writes <out>/trainer/metrics.jsonl and <out>/reward_curve.png."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
 from node.config import write_config_file
 from node.identity import load_or_create_key, peer_id_of
+from trainer.metrics import plot_curve, read_jsonl
+
+console = Console()
 
 
 def add_demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samplers", type=int, default=3)
+    p.add_argument("--steps", type=int, default=60, help="GRPO steps to train")
     p.add_argument("--out", type=Path, default=Path("runs/demo"))
     p.add_argument("--port", type=int, default=4101, help="bootstrap node's TCP port on 127.0.0.1")
-    p.add_argument("--seconds", type=float, default=60.0, help="how long to run")
-    p.add_argument("--engine", default="auto")
+    p.add_argument("--engine", default="auto", choices=["auto", "mlx", "torch"])
+    p.add_argument("--bits", default="8", choices=["8", "4", "none"])
+    p.add_argument("--task", default="reverse")
+    p.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds")
 
 
 def node_cmd(role: str, data_dir: Path, config: Path, *extra: str) -> list[str]:
@@ -33,59 +45,99 @@ def node_cmd(role: str, data_dir: Path, config: Path, *extra: str) -> list[str]:
         str(config),
         "--data-dir",
         str(data_dir),
+        "--provide-interval",
+        "5",
         *extra,
     ]
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
     boot_id = peer_id_of(load_or_create_key(out / "bootstrap" / "identity.key"))
     trainer_id = peer_id_of(load_or_create_key(out / "trainer" / "identity.key"))
     config = out / "bootstrap.toml"
     write_config_file(config, "demo", [f"/ip4/127.0.0.1/tcp/{args.port}/p2p/{boot_id}"], str(trainer_id))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    procs = []
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    loopback = "/ip4/127.0.0.1/tcp/0"
+    specs = [("bootstrap", "bootstrap", ["--listen", f"/ip4/127.0.0.1/tcp/{args.port}"])]
+    specs.append(("trainer", "trainer", ["--listen", loopback, "--task", args.task, "--max-steps", str(args.steps)]))
+    specs += [
+        ("sampler", f"sampler{i}", ["--listen", loopback, "--engine", args.engine, "--bits", args.bits])
+        for i in range(args.samplers)
+    ]
+    console.print(
+        f"[bold]swarmrl demo[/]: 1 trainer + {args.samplers} samplers on 127.0.0.1, task {args.task!r}, "
+        f"{args.steps} GRPO steps; logs in {out}/"
+    )
+    procs: list[subprocess.Popen] = []
+    metrics_path = out / "trainer" / "metrics.jsonl"
     try:
-        procs.append(
-            subprocess.Popen(
-                node_cmd("bootstrap", out / "bootstrap", config, "--listen", f"/ip4/127.0.0.1/tcp/{args.port}"),
-                env=env,
-                stdout=open(out / "bootstrap.log", "w"),
-                stderr=subprocess.STDOUT,
-            )
-        )
-        procs.append(
-            subprocess.Popen(
-                node_cmd("trainer", out / "trainer", config, "--listen", "/ip4/127.0.0.1/tcp/0"),
-                env=env,
-                stdout=open(out / "trainer.log", "w"),
-                stderr=subprocess.STDOUT,
-            )
-        )
-        for i in range(args.samplers):
-            d = out / f"sampler{i}"
+        for role, name, extra in specs:
+            log = open(out / f"{name}.log", "w")
             procs.append(
                 subprocess.Popen(
-                    node_cmd("sampler", d, config, "--listen", "/ip4/127.0.0.1/tcp/0", "--engine", args.engine),
-                    env=env,
-                    stdout=open(out / f"sampler{i}.log", "w"),
-                    stderr=subprocess.STDOUT,
+                    node_cmd(role, out / name, config, *extra), env=env, stdout=log, stderr=subprocess.STDOUT
                 )
             )
-        deadline = time.time() + args.seconds
-        while time.time() < deadline:
-            time.sleep(2)
-            dead = [p for p in procs if p.poll() is not None]
-            if dead:
-                print(f"a node exited early (code {dead[0].returncode}); see logs in {out}", file=sys.stderr)
+            if role == "bootstrap":
+                time.sleep(1.5)
+        first_eval = last_eval = None
+        with Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            console=console,
+        ) as progress:
+            bar = progress.add_task("training", total=args.steps, info="waiting for the swarm...")
+            deadline = time.time() + args.timeout
+            while time.time() < deadline:
+                time.sleep(1.0)
+                records = read_jsonl(metrics_path)
+                train = [r for r in records if "reward" in r]
+                evals = [r for r in records if "eval_reward" in r]
+                if evals:
+                    first_eval = first_eval or evals[0]
+                    last_eval = evals[-1]
+                if train:
+                    r = train[-1]
+                    info = (
+                        f"rollout reward {r['reward']:.2f}  eval reward "
+                        f"{last_eval['eval_reward'] if last_eval else float('nan'):.2f}  "
+                        f"accuracy {last_eval['eval_accuracy'] if last_eval else float('nan'):.2f}  "
+                        f"v{r['version']}  busy {r['busy_fraction']:.0%}"
+                    )
+                    progress.update(bar, completed=r["step"], info=info)
+                dead = [(p, s) for p, s in zip(procs, specs, strict=True) if p.poll() is not None]
+                if dead:
+                    p, (role, name, _) = dead[0]
+                    if (role == "trainer" and p.returncode == 0) or (train and train[-1]["step"] >= args.steps):
+                        break
+                    console.print(f"[red]{name} exited with code {p.returncode}; see {out / (name + '.log')}")
+                    return 1
+                if train and train[-1]["step"] >= args.steps and last_eval and last_eval["step"] >= args.steps:
+                    break
+            else:
+                console.print(f"[red]timed out after {args.timeout:.0f} s")
                 return 1
     finally:
         for p in procs:
             p.terminate()
         for p in procs:
             try:
-                p.wait(timeout=10)
+                p.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 p.kill()
+    records = read_jsonl(metrics_path)
+    plot_curve(records, out / "reward_curve.png", title=f"swarmrl demo: {args.samplers} samplers, task {args.task!r}")
+    if first_eval and last_eval:
+        console.print(
+            f"eval reward {first_eval['eval_reward']:.3f} -> {last_eval['eval_reward']:.3f}, "
+            f"exact accuracy {first_eval['eval_accuracy']:.3f} -> {last_eval['eval_accuracy']:.3f}"
+        )
+    console.print(f"metrics: {metrics_path}\nplot:    {out / 'reward_curve.png'}")
     return 0

@@ -54,8 +54,15 @@ async def run_node(config: NodeConfig, role: Role, *, task_status=trio.TASK_STAT
         async with trio.open_nursery() as nursery:
             nursery.start_soon(swarm.feed_routing_table, 1.0)
             nursery.start_soon(_report_status, config, swarm, role)
-            nursery.start_soon(role.run, swarm)
+            nursery.start_soon(_run_role, role, swarm, nursery.cancel_scope)
             task_status.started(swarm)
+
+
+async def _run_role(role: Role, swarm: Swarm, scope: trio.CancelScope) -> None:
+    """A role whose work is done (a trainer that reached --max-steps) ends the node."""
+    await role.run(swarm)
+    log.info("%s finished", role.name)
+    scope.cancel()
 
 
 async def _report_status(config: NodeConfig, swarm: Swarm, role: Role) -> None:

@@ -17,7 +17,8 @@ class VerifiedGroup:
     seed: int
     prompt_ids: list[int]
     completions: list[list[int]]
-    sampler_logprobs: list[list[float]]
+    sampler_logprobs: list[list[float]]  # mu: what the sampler claims (checked within tolerance)
+    old_logprobs: list[list[float]]  # pi_old: the trainer's own recomputation at ``version``
     rewards: list[float]
     solved: list[bool]
     temperature: float

@@ -28,4 +28,8 @@ class TrainerSettings:
     publish_every: int = 1
     max_steps: int | None = None
     checkpoint_every: int = 10
+    eval_every: int = 5
+    eval_size: int = 64
+    torch_threads: int = 1
     seed: int = 0
+    linger_after_finish: float = 2.0  # keep serving the last version briefly after max_steps

@@ -114,7 +114,7 @@ class RolloutVerifier:
             if any(t in self.eos_ids for t in s.completion_ids[:-1]):
                 raise Forged("a completion continues after a stop token")
 
-    def _check_logprobs(self, g: RolloutGroup) -> None:
+    def _check_logprobs(self, g: RolloutGroup) -> list[list[float]]:
         prompts = [g.prompt_ids] * len(g.samples)
         comps = [s.completion_ids for s in g.samples]
         ours = self.scorer.logprobs(g.version, prompts, comps, g.temperature)
@@ -130,6 +130,7 @@ class RolloutVerifier:
             raise Forged(
                 f"claimed logprobs deviate from the trainer's (mean {mean:.3g}, max {worst:.3g}, quant {g.quant})"
             )
+        return ours
 
     async def verify(self, g: RolloutGroup, remote: str, current_version: int) -> RolloutAck:
         ids = [s.rollout_id for s in g.samples]
@@ -147,7 +148,7 @@ class RolloutVerifier:
                     raise Forged(f"claimed reward {s.claimed_reward} but the trainer computes {r}")
                 rewards.append(r)
                 solved.append(bool(self.task.solved(g.seed, text)))
-            await trio.to_thread.run_sync(self._check_logprobs, g)
+            old_logprobs = await trio.to_thread.run_sync(self._check_logprobs, g)
         except Forged as exc:
             self.forged += 1
             self.peers.strike(remote)
@@ -169,6 +170,7 @@ class RolloutVerifier:
                 prompt_ids=g.prompt_ids,
                 completions=[s.completion_ids for s in g.samples],
                 sampler_logprobs=[s.logprobs for s in g.samples],
+                old_logprobs=old_logprobs,
                 rewards=rewards,
                 solved=solved,
                 temperature=g.temperature,

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
+import torch
 import trio
 from libp2p.peer.id import ID
 
@@ -21,11 +23,16 @@ from protocols.errors import ProtocolError
 from protocols.rollouts import RolloutGroup
 from protocols.work import SamplingParams, WorkRequest
 from trainer.buffer import RolloutBuffer
+from trainer.checkpoint import load_checkpoint, save_checkpoint
+from trainer.evaluate import evaluate
+from trainer.grpo import LossConfig, has_signal
 from trainer.leases import LeaseBook
+from trainer.metrics import append_jsonl, plot_curve, read_jsonl
 from trainer.policy import load_model, load_tokenizer
 from trainer.publish import Publisher
 from trainer.scorer import Scorer
 from trainer.settings import TrainerSettings
+from trainer.step import train_step
 from trainer.tasks import load_task
 from trainer.tiny_model import build_tiny_model
 from trainer.verify import RolloutVerifier
@@ -67,8 +74,21 @@ class TrainerRole:
         self.model_dir = resolve_model_dir(settings.model_dir, data_dir)
         self.task = load_task(settings.task)
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.model = load_model(self.model_dir)
+        torch.manual_seed(settings.seed)
+        torch.set_num_threads(settings.torch_threads)
+        self.model = load_model(self.model_dir).eval()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.lr, betas=(0.9, 0.99), weight_decay=0.0)
+        self.loss_cfg = LossConfig(settings.clip_low, settings.clip_high, settings.tis_cap, settings.kl_beta)
+        self.ref_model = load_model(self.model_dir).eval() if settings.kl_beta > 0 else None
         self.version = 0
+        self.step = 0
+        self.busy_seconds = 0.0
+        self.started_at: float | None = None
+        self.zero_signal_groups = 0
+        self.last_metrics: dict[str, float] = {}
+        self.metrics_path = data_dir / "metrics.jsonl"
+        self.checkpoint_path = data_dir / "trainer.ckpt"
+        self.finished = trio.Event()
         eos = self.tokenizer.eos_token_id
         self.eos_ids = (eos,) if eos is not None else ()
         bos = self.tokenizer.bos_token_id
@@ -77,8 +97,15 @@ class TrainerRole:
         sampling = SamplingParams(settings.temperature, settings.top_p, settings.max_tokens)
         self.leases = LeaseBook(self.task, self.encode, settings.group_size, sampling, settings.lease_ttl)
         self.buffer = RolloutBuffer()
+        resumed = load_checkpoint(self.checkpoint_path)
+        if resumed is not None:
+            self.model.load_state_dict(resumed["model"])
+            self.optimizer.load_state_dict(resumed["optimizer"])
+            self.version, self.step = resumed["version"], resumed["step"]
+            self.leases.next_seed = resumed["next_seed"]
+            log.info("resumed from %s at step %d, version %d", self.checkpoint_path, self.step, self.version)
         self.scorer = Scorer(self.model_dir, keep=settings.max_staleness + 1)
-        self.scorer.remember(0, self.model.state_dict())
+        self.scorer.remember(self.version, self.model.state_dict())
         self.verifier = RolloutVerifier(
             self.task, self.leases, self.buffer, self.scorer, self.decode, self.eos_ids, settings.max_staleness
         )
@@ -148,10 +175,104 @@ class TrainerRole:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(provide_forever, swarm, role_key(self.swarm_name, "trainer"), self.provide_interval)
             nursery.start_soon(self._announce_forever)
+            nursery.start_soon(self._train_forever)
+            await self.finished.wait()
+            await trio.sleep(self.settings.linger_after_finish)
+            nursery.cancel_scope.cancel()
+
+    # -- training ----------------------------------------------------------------------------------------
+    async def _train_forever(self) -> None:
+        """Train whenever the buffer holds a batch; never wait on any one sampler."""
+        s = self.settings
+        if self.step == 0:
+            await self._evaluate()
+        while s.max_steps is None or self.step < s.max_steps:
+            groups = await self._next_batch()
+            t0 = time.monotonic()
+            metrics = await trio.to_thread.run_sync(
+                train_step, self.model, self.optimizer, groups, self.loss_cfg, s.grad_clip, self.version, self.ref_model
+            )
+            self.busy_seconds += time.monotonic() - t0
+            self.step += 1
+            if self.step % s.publish_every == 0:
+                self.version += 1
+                self.scorer.remember(self.version, self.model.state_dict())
+                await self.publish()
+            wall = time.monotonic() - (self.started_at or t0)
+            self.last_metrics = {**metrics, "busy_fraction": self.busy_seconds / max(wall, 1e-9)}
+            self._record(
+                {
+                    "step": self.step,
+                    "version": self.version,
+                    **self.last_metrics,
+                    "stale_dropped": self.buffer.dropped_stale,
+                    "zero_signal_groups": self.zero_signal_groups,
+                    "rollouts_accepted": self.buffer.accepted,
+                    "forged": self.verifier.forged,
+                }
+            )
+            if self.step % s.eval_every == 0:
+                await self._evaluate()
+            if self.step % s.checkpoint_every == 0:
+                await trio.to_thread.run_sync(self.save)
+        await trio.to_thread.run_sync(self.save)
+        self.finished.set()
+
+    async def _next_batch(self) -> list:
+        """Wait for ``batch_groups`` usable groups (fresh enough, with reward variance)."""
+        batch: list = []
+        while len(batch) < self.settings.batch_groups:
+            taken = self.buffer.take(self.settings.batch_groups - len(batch), self.version, self.settings.max_staleness)
+            if self.started_at is None and taken:
+                self.started_at = time.monotonic()
+            for g in taken:
+                if has_signal(g.rewards):
+                    batch.append(g)
+                else:
+                    self.zero_signal_groups += 1
+            if len(batch) < self.settings.batch_groups:
+                await trio.sleep(0.02)
+        return batch
+
+    async def _evaluate(self) -> None:
+        result = await trio.to_thread.run_sync(
+            lambda: evaluate(
+                self.model,
+                self.task,
+                self.encode,
+                self.decode,
+                self.eos_ids,
+                self.settings.eval_size,
+                self.settings.max_tokens,
+            )
+        )
+        self.last_metrics.update(result)
+        self._record({"step": self.step, "version": self.version, **result})
+        log.info("step %d eval reward %.3f accuracy %.3f", self.step, result["eval_reward"], result["eval_accuracy"])
+        await trio.to_thread.run_sync(plot_curve, read_jsonl(self.metrics_path), self.data_dir / "reward_curve.png")
+
+    def _record(self, record: dict) -> None:
+        append_jsonl(self.metrics_path, {"time": time.time(), **record})
+
+    def save(self) -> None:
+        save_checkpoint(
+            self.checkpoint_path,
+            model=self.model.state_dict(),
+            optimizer=self.optimizer.state_dict(),
+            version=self.version,
+            step=self.step,
+            next_seed=self.leases.next_seed,
+        )
 
     def status(self) -> dict[str, Any]:
         return {
             "version": self.version,
+            "step": self.step,
+            **{
+                k: round(v, 4)
+                for k, v in self.last_metrics.items()
+                if k in ("reward", "eval_reward", "eval_accuracy", "busy_fraction")
+            },
             "leases_issued": self.leases.issued,
             "rollouts_accepted": self.buffer.accepted,
             "groups_buffered": len(self.buffer),

@@ -1,0 +1,82 @@
+"""GRPO math on hand-computed cases, and the staleness bound."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from trainer.buffer import RolloutBuffer, VerifiedGroup
+from trainer.grpo import LossConfig, group_advantages, grpo_loss, has_signal
+
+
+def test_group_advantages_by_hand():
+    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]))
+    # mean 0.5, population std 0.5 -> +-1
+    assert torch.allclose(adv, torch.tensor([1.0, -1.0, -1.0, 1.0]), atol=1e-5)
+    assert torch.allclose(group_advantages(torch.tensor([0.2, 0.2])), torch.zeros(2))
+    assert not has_signal([0.4, 0.4, 0.4]) and has_signal([0.4, 0.6])
+
+
+def one(x: float) -> torch.Tensor:
+    return torch.tensor([[x]])
+
+
+@pytest.mark.parametrize(
+    ("ratio", "adv", "expected"),
+    [
+        (1.0, 2.0, -2.0),  # on-policy: -A
+        (1.5, 1.0, -1.28),  # positive advantage: clipped at 1 + eps_high
+        (0.5, 1.0, -0.5),  # min() keeps the unclipped, smaller term
+        (0.5, -1.0, 0.8),  # negative advantage: clipped at 1 - eps_low -> -(0.8 * -1)
+        (1.5, -1.0, 1.5),  # negative advantage, ratio up: unclipped (pessimistic) term
+    ],
+)
+def test_clipped_surrogate_by_hand(ratio, adv, expected):
+    old = -1.0
+    loss, stats = grpo_loss(one(old + math.log(ratio)), one(old), one(old), torch.tensor([adv]), one(1.0), LossConfig())
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+    assert stats.tis_mean == pytest.approx(1.0)
+
+
+def test_truncated_importance_weight_by_hand():
+    cfg = LossConfig(tis_cap=2.0)
+    # sampler (mu) less likely than pi_old by e^0.5: weight 1.6487
+    loss, stats = grpo_loss(one(-1.0), one(-1.0), one(-1.5), torch.tensor([1.0]), one(1.0), cfg)
+    assert loss.item() == pytest.approx(-math.exp(0.5), rel=1e-5)
+    # by e^2: capped at 2
+    loss, stats = grpo_loss(one(-1.0), one(-1.0), one(-3.0), torch.tensor([1.0]), one(1.0), cfg)
+    assert loss.item() == pytest.approx(-2.0, rel=1e-5) and stats.tis_capped_fraction == 1.0
+
+
+def test_token_level_normalisation_ignores_padding_and_grads_flow():
+    logp = torch.tensor([[-1.0, -1.0, 0.0], [-1.0, 0.0, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    loss, _ = grpo_loss(logp, logp.detach(), logp.detach(), torch.tensor([1.0, -1.0]), mask, LossConfig())
+    # tokens: A=+1 twice, A=-1 once -> -(1 + 1 - 1) / 3
+    assert loss.item() == pytest.approx(-1 / 3, rel=1e-5)
+    loss.backward()
+    assert logp.grad[0, 2] == 0 and logp.grad[1, 1] == 0 and logp.grad[0, 0] != 0
+
+
+def test_kl_penalty_is_zero_at_the_reference_and_positive_away():
+    cfg = LossConfig(kl_beta=0.1)
+    _, at_ref = grpo_loss(one(-1.0), one(-1.0), one(-1.0), torch.tensor([0.0]), one(1.0), cfg, ref_logp=one(-1.0))
+    _, away = grpo_loss(one(-1.0), one(-1.0), one(-1.0), torch.tensor([0.0]), one(1.0), cfg, ref_logp=one(-2.0))
+    assert at_ref.kl == pytest.approx(0.0) and away.kl == pytest.approx(math.exp(-1) + 1 - 1, rel=1e-5)
+
+
+def group(version: int) -> VerifiedGroup:
+    return VerifiedGroup(
+        f"g{version}", "p", version, "reverse", version, [1], [[2]], [[-1.0]], [[-1.0]], [0.0], [False], 1.0
+    )
+
+
+def test_stale_groups_are_dropped_and_counted():
+    buf = RolloutBuffer()
+    for v in (0, 3, 5, 6):
+        buf.add(group(v), [f"r{v}"])
+    taken = buf.take(10, current_version=6, max_staleness=2)
+    assert [g.version for g in taken] == [5, 6]
+    assert buf.dropped_stale == 2
