@@ -47,11 +47,12 @@ def add_node_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--max-staleness", type=int, default=4)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--batch-groups", type=int, default=16, help="groups per GRPO step")
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--publish-every", type=int, default=1, help="publish a new version every N steps")
     p.add_argument("--eval-every", type=int, default=5)
+    p.add_argument("--checkpoint-every", type=int, default=10)
     p.add_argument("--kl-beta", type=float, default=0.0)
     p.add_argument("--tis-cap", type=float, default=2.0)
     p.add_argument("--weights-encoding", choices=["fp32", "int8"], default="fp32")
@@ -106,6 +107,7 @@ def build_role(args: argparse.Namespace, config: NodeConfig):
             max_steps=args.max_steps,
             publish_every=args.publish_every,
             eval_every=args.eval_every,
+            checkpoint_every=args.checkpoint_every,
             kl_beta=args.kl_beta,
             tis_cap=args.tis_cap,
         )

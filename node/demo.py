@@ -24,7 +24,7 @@ console = Console()
 
 def add_demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samplers", type=int, default=3)
-    p.add_argument("--steps", type=int, default=60, help="GRPO steps to train")
+    p.add_argument("--steps", type=int, default=80, help="GRPO steps to train")
     p.add_argument("--out", type=Path, default=Path("runs/demo"))
     p.add_argument("--port", type=int, default=4101, help="bootstrap node's TCP port on 127.0.0.1")
     p.add_argument("--engine", default="auto", choices=["auto", "mlx", "torch"])

@@ -18,7 +18,7 @@ class TrainerSettings:
     lease_ttl: float = 120.0
     max_staleness: int = 4
     # GRPO
-    lr: float = 1e-3
+    lr: float = 3e-3
     batch_groups: int = 16
     clip_low: float = 0.2
     clip_high: float = 0.28

@@ -57,7 +57,11 @@ def run_sync(
     seed, rollouts, t0 = 0, 0, time.monotonic()
     for step in range(1, steps + 1):
         groups: list[VerifiedGroup] = []
+        attempts = 0
         while len(groups) < settings.batch_groups:
+            attempts += 1
+            if attempts > 50 * settings.batch_groups:
+                raise RuntimeError("the policy collapsed: no group with reward variance in many tries")
             seed += 1
             prompt = encode(task.prompt(seed))
             gens = engine.generate(

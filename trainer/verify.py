@@ -105,7 +105,8 @@ class RolloutVerifier:
         if abs(g.temperature - lease.sampling.temperature) > 1e-6 or abs(g.top_p - lease.sampling.top_p) > 1e-6:
             raise Forged("sampling parameters differ from the lease")
         if g.version > current_version:
-            raise Forged(f"version {g.version} is newer than the trainer's {current_version}")
+            # not blame: a restarted trainer may have lost versions it had published (and signed)
+            raise Rejected(f"version {g.version} is newer than the trainer's {current_version}")
         if current_version - g.version > self.max_staleness:
             raise Rejected(f"version {g.version} is more than {self.max_staleness} versions old")
         for s in g.samples:

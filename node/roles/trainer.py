@@ -104,12 +104,21 @@ class TrainerRole:
             self.version, self.step = resumed["version"], resumed["step"]
             self.leases.next_seed = resumed["next_seed"]
             log.info("resumed from %s at step %d, version %d", self.checkpoint_path, self.step, self.version)
+        self.store = ChunkStore(data_dir / "store")
+        published = self.store.latest()
+        if published is not None and published[2].version > self.version:
+            # Published after the last checkpoint, then lost in a crash: never reuse a version number.
+            self.version = published[2].version + 1
+            log.info(
+                "versions up to %d were published before a restart; continuing as version %d",
+                published[2].version,
+                self.version,
+            )
         self.scorer = Scorer(self.model_dir, keep=settings.max_staleness + 1)
         self.scorer.remember(self.version, self.model.state_dict())
         self.verifier = RolloutVerifier(
             self.task, self.leases, self.buffer, self.scorer, self.decode, self.eos_ids, settings.max_staleness
         )
-        self.store = ChunkStore(data_dir / "store")
         self.weight_server = WeightServer(self.store, super_seed=True)
         self.chunk_size = chunk_size
         self.encoding = encoding

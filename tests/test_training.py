@@ -1,0 +1,125 @@
+"""The trainer end to end: a short swarm run learns, and a killed trainer resumes where it left off."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+
+import pytest
+import trio
+
+from node.config import write_config_file
+from node.identity import load_or_create_key, peer_id_of
+from tests.swarm_helpers import start_bootstrap, start_sampler, start_trainer, wait_until
+from tests.test_cli import CLI, free_port, read_status
+from trainer.checkpoint import load_checkpoint
+from trainer.metrics import read_jsonl
+
+
+@pytest.mark.slow
+async def test_short_swarm_run_beats_the_untrained_model(tmp_path, tiny_model_dir):
+    async with trio.open_nursery() as nursery:
+        boot = await start_bootstrap(nursery, tmp_path)
+        trainer = await start_trainer(
+            nursery,
+            tmp_path,
+            boot,
+            tiny_model_dir,
+            max_tokens=6,
+            batch_groups=8,
+            max_steps=24,
+            eval_every=8,
+            eval_size=64,
+            linger_after_finish=0.0,
+        )
+        for i in range(2):
+            await start_sampler(nursery, tmp_path, f"s{i}", boot)
+        await wait_until(lambda: trainer.role.finished.is_set(), timeout=400, interval=0.5)
+        nursery.cancel_scope.cancel()
+    records = read_jsonl(tmp_path / "trainer" / "metrics.jsonl")
+    evals = [r for r in records if "eval_reward" in r]
+    train = [r for r in records if "reward" in r]
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == 24
+    assert evals[-1]["eval_reward"] > evals[0]["eval_reward"] + 0.05
+    first, last = train[:6], train[-6:]
+    assert sum(r["reward"] for r in last) / 6 > sum(r["reward"] for r in first) / 6
+    assert all(r["version"] == r["step"] for r in train)  # a version per step
+    assert max(r["staleness"] for r in train) <= 4
+    assert (tmp_path / "trainer" / "reward_curve.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_killed_trainer_resumes_and_samplers_reconnect(tmp_path, tiny_model_dir):
+    port = free_port()
+    boot_id = peer_id_of(load_or_create_key(tmp_path / "boot" / "identity.key"))
+    trainer_id = peer_id_of(load_or_create_key(tmp_path / "trainer" / "identity.key"))
+    cfg = tmp_path / "bootstrap.toml"
+    write_config_file(cfg, "resume", [f"/ip4/127.0.0.1/tcp/{port}/p2p/{boot_id}"], str(trainer_id))
+    common = ["--config", str(cfg), "--provide-interval", "2", "--model", str(tiny_model_dir)]
+
+    def spawn(role, name, *extra):
+        log = open(tmp_path / f"{name}.log", "a")
+        return subprocess.Popen(
+            [*CLI, "node", "--role", role, "--data-dir", str(tmp_path / name), *common, *extra],
+            cwd=tmp_path,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+    trainer_args = (
+        "--listen",
+        "/ip4/127.0.0.1/tcp/0",
+        "--max-tokens",
+        "6",
+        "--batch-groups",
+        "4",
+        "--checkpoint-every",
+        "2",
+        "--eval-every",
+        "1000",
+    )
+    procs = [spawn("bootstrap", "boot", "--listen", f"/ip4/127.0.0.1/tcp/{port}")]
+    try:
+        time.sleep(2)
+        procs.append(spawn("sampler", "s0", "--listen", "/ip4/127.0.0.1/tcp/0"))
+        trainer = spawn("trainer", "trainer", *trainer_args)
+        ckpt = tmp_path / "trainer" / "trainer.ckpt"
+        deadline = time.time() + 180
+        while time.time() < deadline and not (ckpt.exists() and load_checkpoint(ckpt)["step"] >= 4):
+            assert trainer.poll() is None, (tmp_path / "trainer.log").read_text()[-2000:]
+            time.sleep(0.5)
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait()
+        saved = load_checkpoint(ckpt)
+        accepted_before = read_status(tmp_path / "s0")["rollouts_accepted"]
+
+        t_restart = time.time()
+        trainer = spawn("trainer", "trainer", *trainer_args)
+        procs.append(trainer)
+        deadline = time.time() + 180
+        resumed = []
+        while time.time() < deadline:
+            lines = [json.loads(x) for x in (tmp_path / "trainer" / "metrics.jsonl").read_text().splitlines()]
+            resumed = [r for r in lines if "reward" in r and r["time"] > t_restart]
+            if (
+                any(r["step"] >= saved["step"] + 3 for r in resumed)
+                and read_status(tmp_path / "s0").get("rollouts_accepted", 0) > accepted_before
+            ):
+                break
+            assert trainer.poll() is None, (tmp_path / "trainer.log").read_text()[-2000:]
+            time.sleep(1)
+        else:
+            pytest.fail("the restarted trainer did not train on new rollouts")
+        log = (tmp_path / "trainer.log").read_text()
+        assert f"resumed from {ckpt} at step {saved['step']}, version {saved['version']}" in log
+        # the step counter continues from the checkpoint, and no version number is ever reused
+        assert resumed[0]["step"] == saved["step"] + 1
+        before = [r for r in lines if "reward" in r and r["time"] <= t_restart]
+        assert resumed[0]["version"] > max(r["version"] for r in before)
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=20)
