@@ -27,7 +27,7 @@ async def test_samplers_find_trainer_and_each_other_via_dht(tmp_path, tiny_model
 
         # rollouts reach the trainer straight from every sampler and are accepted
         await wait_until(lambda: all(s.role.rollouts_accepted >= 8 for s in samplers), timeout=60)
-        peers = {g.peer for g in list(trainer.role.buffer._groups)}
-        assert peers == {str(s.swarm.peer_id) for s in samplers}
+        by_peer = trainer.role.buffer.accepted_by_peer
+        assert set(by_peer) == {str(s.swarm.peer_id) for s in samplers}
         assert trainer.role.verifier.forged == 0
         nursery.cancel_scope.cancel()

@@ -30,6 +30,7 @@ class RolloutBuffer:
         self.max_groups = max_groups
         self.seen_ids: set[str] = set()
         self.accepted = 0
+        self.accepted_by_peer: dict[str, int] = {}
         self.dropped_stale = 0
 
     def __len__(self) -> int:
@@ -42,6 +43,7 @@ class RolloutBuffer:
         self.seen_ids.update(rollout_ids)
         self._groups.append(group)
         self.accepted += len(rollout_ids)
+        self.accepted_by_peer[group.peer] = self.accepted_by_peer.get(group.peer, 0) + len(rollout_ids)
         while len(self._groups) > self.max_groups:
             self._groups.popleft()
             self.dropped_stale += 1
