@@ -37,7 +37,7 @@ def serve(name: str, handler: Handler, max_request: int, max_reply: int, timeout
                     return
                 except ProtocolError as exc:
                     log.warning("%s: rejected input from %s: %s", name, remote, exc)
-                    reply = error_reply(exc.code, str(exc))
+                    reply = error_reply(exc.code, str(exc), getattr(exc, "retry_after", None))
                 await write_message(stream, reply, max_reply)
                 await stream.close()
         except trio.TooSlowError:

@@ -37,7 +37,8 @@ class PeerClosed(ProtocolError):
 class RemoteError(Exception):
     """The remote peer answered a request with an error reply."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, retry_after: float | None = None) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+        self.retry_after = retry_after  # set when the peer asked us to slow down (code "rate_limited")

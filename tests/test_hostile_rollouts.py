@@ -19,7 +19,7 @@ from protocols.errors import RemoteError
 from protocols.framing import FrameReader, unpack
 from protocols.rollouts import RolloutAck, RolloutGroup, Sample
 from protocols.work import WorkLease, WorkRequest
-from tests.swarm_helpers import LOOPBACK, start_bootstrap, start_trainer
+from tests.swarm_helpers import LOOPBACK, start_bootstrap, start_sampler, start_trainer, wait_until
 
 
 async def raw_exchange(client, trainer_id, payload: bytes) -> dict:
@@ -189,3 +189,40 @@ async def test_forged_prompt_is_rejected(trainer_and_client):
     ack = RolloutAck.from_wire(reply)
     assert ack.rejected and "prompt" in ack.rejected[0][1]
     await trio.sleep(0)
+
+
+async def test_a_flooding_peer_is_rate_limited_and_an_honest_sampler_is_not(tmp_path, tiny_model_dir, nursery):
+    boot = await start_bootstrap(nursery, tmp_path)
+    trainer = await start_trainer(
+        nursery, tmp_path, boot, tiny_model_dir, group_size=4, max_tokens=6, rollout_rate=2.0, rollout_burst=4.0
+    )
+    honest = await start_sampler(nursery, tmp_path, "honest", boot, engine="torch")
+    async with open_swarm(load_or_create_key(tmp_path / "flood.key"), LOOPBACK) as flooder:
+        from libp2p.peer.peerinfo import info_from_p2p_addr
+
+        await flooder.connect(info_from_p2p_addr(trainer.swarm.addrs()[0]))
+        replies: list[dict] = []
+        junk = msgpack.packb({"v": 1, "t": "rollouts", "group_id": "x" * 16, "samples": []})
+
+        async def flood_one() -> None:
+            replies.append(await raw_exchange(flooder, trainer.swarm.peer_id, framed(junk)))
+
+        before = trainer.role.buffer.accepted_by_peer.get(str(honest.swarm.peer_id), 0)
+        with trio.fail_after(60):
+            for _ in range(6):  # 6 waves of 20 concurrent requests, over ~3 s
+                async with trio.open_nursery() as wave:
+                    for _ in range(20):
+                        wave.start_soon(flood_one)
+                await trio.sleep(0.5)
+        limited = [r for r in replies if r.get("code") == "rate_limited"]
+        schema = [r for r in replies if r.get("code") == "schema"]
+        assert len(replies) == 120
+        assert len(limited) >= 100 and all(r["retry_after"] > 0 for r in limited)
+        assert len(schema) <= 4 + 2 * 5  # the burst, plus the refill over the flood's few seconds
+        # the honest sampler keeps getting its groups accepted during and after the flood, never limited
+        await wait_until(
+            lambda: trainer.role.buffer.accepted_by_peer.get(str(honest.swarm.peer_id), 0) >= before + 8, 120
+        )
+        # it may meet its own limit (it samples faster than 2 groups/s): it waits as told and loses nothing
+        assert honest.role.rollouts_rejected == 0
+    nursery.cancel_scope.cancel()

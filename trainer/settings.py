@@ -32,4 +32,9 @@ class TrainerSettings:
     eval_size: int = 64
     torch_threads: int = 1
     seed: int = 0
+    # per-peer request limits (token buckets): sustained rate per second and burst
+    rollout_rate: float = 4.0
+    rollout_burst: float = 16.0
+    work_rate: float = 2.0
+    work_burst: float = 8.0
     linger_after_finish: float = 2.0  # keep serving the last version briefly after max_steps

@@ -27,6 +27,7 @@ from protocols.work import TaskSpec, WorkLease, WorkRequest
 log = logging.getLogger(__name__)
 
 SUBMIT_ATTEMPTS = 5
+RATE_LIMIT_PATIENCE = 120.0
 
 
 class SamplerRole:
@@ -57,6 +58,7 @@ class SamplerRole:
         self.groups_sent = 0
         self.rollouts_accepted = 0
         self.rollouts_rejected = 0
+        self.rate_limited = 0
         self.last_error = ""
         self._engine_lock = trio.Lock()
 
@@ -136,6 +138,10 @@ class SamplerRole:
                 lease = WorkLease.from_wire(reply)
             except RemoteError as exc:
                 self.last_error = str(exc)
+                if exc.code == "rate_limited":
+                    self.rate_limited += 1
+                    await trio.sleep(min(exc.retry_after or 1.0, 30.0))
+                    continue
                 log.warning("trainer refused work: %s", exc)
                 await trio.sleep(backoff := min(backoff * 2, 30.0))
                 continue
@@ -183,8 +189,12 @@ class SamplerRole:
         )
 
     async def submit(self, swarm: Swarm, group: RolloutGroup) -> RolloutAck | None:
-        """Send a group until it is acknowledged; resends are safe (the trainer dedupes by rollout id)."""
-        for attempt in range(SUBMIT_ATTEMPTS):
+        """Send a group until it is acknowledged; resends are safe (the trainer dedupes by rollout id).
+
+        Being told to slow down is not a failure: the group waits as long as the trainer asks, up to
+        RATE_LIMIT_PATIENCE seconds in all (after that it would be too stale to train on anyway)."""
+        attempt, waited = 0, 0.0
+        while attempt < SUBMIT_ATTEMPTS:
             try:
                 reply = await request(
                     swarm.host,
@@ -198,11 +208,18 @@ class SamplerRole:
                 ack = RolloutAck.from_wire(reply)
             except RemoteError as exc:
                 self.last_error = str(exc)
+                if exc.code == "rate_limited" and waited < RATE_LIMIT_PATIENCE:
+                    self.rate_limited += 1
+                    pause = min(exc.retry_after or 1.0, 30.0)
+                    waited += pause
+                    await trio.sleep(pause)
+                    continue
                 log.warning("trainer refused group %s: %s", group.group_id, exc)
                 return None
             except Exception as exc:
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 await trio.sleep(0.5 * 2**attempt)
+                attempt += 1
                 continue
             self.groups_sent += 1
             self.rollouts_accepted += len(ack.accepted) + len(ack.duplicate)
@@ -224,4 +241,5 @@ class SamplerRole:
             "groups_sent": self.groups_sent,
             "rollouts_accepted": self.rollouts_accepted,
             "rollouts_rejected": self.rollouts_rejected,
+            "rate_limited": self.rate_limited,
         }

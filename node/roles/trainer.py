@@ -30,6 +30,7 @@ from trainer.leases import LeaseBook
 from trainer.metrics import append_jsonl, plot_curve, read_jsonl
 from trainer.policy import load_model, load_tokenizer
 from trainer.publish import Publisher
+from trainer.ratelimit import PeerRateLimiter
 from trainer.scorer import Scorer
 from trainer.settings import TrainerSettings
 from trainer.step import train_step
@@ -97,6 +98,8 @@ class TrainerRole:
         sampling = SamplingParams(settings.temperature, settings.top_p, settings.max_tokens)
         self.leases = LeaseBook(self.task, self.encode, settings.group_size, sampling, settings.lease_ttl)
         self.buffer = RolloutBuffer()
+        self.work_limit = PeerRateLimiter(settings.work_rate, settings.work_burst)
+        self.rollout_limit = PeerRateLimiter(settings.rollout_rate, settings.rollout_burst)
         resumed = load_checkpoint(self.checkpoint_path)
         if resumed is not None:
             self.model.load_state_dict(resumed["model"])
@@ -130,10 +133,12 @@ class TrainerRole:
         req = WorkRequest.from_wire(message)
         if str(remote) in self.verifier.peers.banned:
             raise Banned("this peer is banned for forged rollouts")
+        self.work_limit.take(str(remote))
         n = min(req.max_groups, self.settings.groups_per_lease)
         return self.leases.issue(str(remote), n, self.version).to_wire()
 
     async def on_rollouts(self, message: dict[str, Any], remote: ID) -> dict[str, Any]:
+        self.rollout_limit.take(str(remote))  # before any checking: a flood costs only this
         group = RolloutGroup.from_wire(message)
         ack = await self.verifier.verify(group, str(remote), self.version)
         return ack.to_wire()
@@ -289,5 +294,6 @@ class TrainerRole:
             "groups_forged": self.verifier.forged,
             "stale_dropped": self.buffer.dropped_stale,
             "banned": len(self.verifier.peers.banned),
+            "rate_limited": sum(self.rollout_limit.refused.values()) + sum(self.work_limit.refused.values()),
             "bytes_uploaded": self.weight_server.bytes_served,
         }
