@@ -12,6 +12,7 @@ import trio
 from node.config import ROLES, NodeConfig, load_config_file, parse_multiaddr, parse_peer_id
 from node.errors import UserError
 from node.identity import load_or_create_key, peer_id_of
+from node.private import load_swarm_key, write_swarm_key
 
 log = logging.getLogger("swarmrl")
 
@@ -34,6 +35,10 @@ def add_node_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trainer", help="trusted trainer peer id (overrides the config)")
     p.add_argument("--listen", default=None, help="listen multiaddr, default /ip4/0.0.0.0/tcp/0")
     p.add_argument("--key", type=Path, help="identity key file (default <data-dir>/identity.key)")
+    p.add_argument("--psk-file", type=Path, help="private swarm key (see `swarmrl swarm-key`); overrides the config")
+    p.add_argument(
+        "--allow", action="append", default=None, metavar="PEER_ID", help="admit only these peers (repeatable)"
+    )
     p.add_argument("--data-dir", type=Path, default=Path(".swarmrl"))
     p.add_argument("--provide-interval", type=float, default=None)
     p.add_argument("--bootstrap-timeout", type=float, default=None)
@@ -55,6 +60,8 @@ def add_node_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-every", type=int, default=10)
     p.add_argument("--kl-beta", type=float, default=0.0)
     p.add_argument("--tis-cap", type=float, default=2.0)
+    p.add_argument("--rollout-rate", type=float, default=4.0, help="groups/s one peer may submit (token bucket)")
+    p.add_argument("--rollout-burst", type=float, default=16.0)
     p.add_argument("--weights-encoding", choices=["fp32", "int8"], default="fp32")
     p.add_argument("--chunk-size", type=int, default=1 << 20)
     p.add_argument("-v", "--verbose", action="store_true")
@@ -76,6 +83,8 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
         "key_path": args.key,
         "provide_interval": args.provide_interval,
         "bootstrap_timeout": args.bootstrap_timeout,
+        "psk": load_swarm_key(args.psk_file) if args.psk_file else None,
+        "allow": frozenset(parse_peer_id(a, "--allow") for a in args.allow) if args.allow else None,
     }
     return config.with_overrides(**overrides)
 
@@ -110,6 +119,8 @@ def build_role(args: argparse.Namespace, config: NodeConfig):
             checkpoint_every=args.checkpoint_every,
             kl_beta=args.kl_beta,
             tis_cap=args.tis_cap,
+            rollout_rate=args.rollout_rate,
+            rollout_burst=args.rollout_burst,
         )
         return TrainerRole(
             config.swarm,
@@ -146,6 +157,12 @@ def cmd_node(args: argparse.Namespace) -> int:
 
 def cmd_keygen(args: argparse.Namespace) -> int:
     print(peer_id_of(load_or_create_key(args.key)))
+    return 0
+
+
+def cmd_swarm_key(args: argparse.Namespace) -> int:
+    write_swarm_key(args.out)
+    print(f"wrote {args.out}: give it to every node of the private swarm (swarm.psk_file or --psk-file)")
     return 0
 
 
@@ -186,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     add_node_args(sub.add_parser("node", help="run a swarm node"))
     p = sub.add_parser("keygen", help="create (or read) an identity key and print its peer id")
     p.add_argument("--key", type=Path, required=True)
+    p = sub.add_parser("swarm-key", help="create a pre-shared key file for a private swarm")
+    p.add_argument("out", type=Path)
     p = sub.add_parser("status", help="show a running node's status")
     p.add_argument("--data-dir", type=Path, default=Path(".swarmrl"))
     p = sub.add_parser("build-model", help="write the embedded tiny model to a directory")
@@ -199,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {
         "node": cmd_node,
         "keygen": cmd_keygen,
+        "swarm-key": cmd_swarm_key,
         "status": cmd_status,
         "build-model": cmd_build_model,
         "demo": cmd_demo,

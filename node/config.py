@@ -55,11 +55,21 @@ class NodeConfig:
     discover_interval: float = 2.0
     bootstrap_timeout: float = 20.0
     status_interval: float = 5.0
+    psk: str | None = None  # private swarm key (64 hex digits), from swarm.psk_file / --psk-file
+    allow: frozenset[ID] | None = None  # only these peers may connect (None: anyone)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def identity_path(self) -> Path:
         return self.key_path or self.data_dir / "identity.key"
+
+    def allowed_peers(self, me: ID) -> frozenset[ID] | None:
+        """The allow-list plus the peers this node was told to trust or dial (and itself)."""
+        if self.allow is None:
+            return None
+        known = {me, *([self.trainer_id] if self.trainer_id else [])}
+        known |= {ID.from_base58(a.get_peer_id()) for a in self.bootstrap if a.get_peer_id()}
+        return self.allow | known
 
     def with_overrides(self, **changes: Any) -> NodeConfig:
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
@@ -76,7 +86,7 @@ def load_config_file(path: Path) -> dict[str, Any]:
     swarm = data.get("swarm", {})
     if not isinstance(swarm, dict):
         raise UserError(f"{path}: [swarm] must be a table")
-    unknown = set(swarm) - {"name", "bootstrap", "trainer"}
+    unknown = set(swarm) - {"name", "bootstrap", "trainer", "psk_file", "allow"}
     if unknown:
         raise UserError(f"{path}: unknown keys in [swarm]: {', '.join(sorted(unknown))}")
     out: dict[str, Any] = {}
@@ -94,6 +104,16 @@ def load_config_file(path: Path) -> dict[str, Any]:
         if not isinstance(swarm["trainer"], str):
             raise UserError(f"{path}: swarm.trainer must be a peer id string")
         out["trainer_id"] = parse_peer_id(swarm["trainer"], f"{path} swarm.trainer")
+    if "psk_file" in swarm:
+        from node.private import load_swarm_key
+
+        if not isinstance(swarm["psk_file"], str):
+            raise UserError(f"{path}: swarm.psk_file must be a path string")
+        out["psk"] = load_swarm_key(path.parent / swarm["psk_file"])
+    if "allow" in swarm:
+        if not isinstance(swarm["allow"], list) or not all(isinstance(x, str) for x in swarm["allow"]):
+            raise UserError(f"{path}: swarm.allow must be a list of peer id strings")
+        out["allow"] = frozenset(parse_peer_id(x, f"{path} swarm.allow") for x in swarm["allow"])
     return out
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import multiaddr
@@ -28,6 +28,7 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
 from node.errors import UserError
+from node.private import PeerGate
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class Swarm:
     host: IHost
     dht: KadDHT
     gossip: Any = None  # node.weights.gossip.Gossip, attached by the runtime
+    gate: PeerGate = field(default_factory=lambda: PeerGate(None))
 
     @property
     def peer_id(self) -> ID:
@@ -67,6 +69,8 @@ class Swarm:
     async def connect(self, info: PeerInfo, timeout: float = 10.0) -> None:
         if info.peer_id == self.peer_id:
             return
+        if not self.gate.allows(info.peer_id):
+            raise UserError(f"{info.peer_id} is not on this swarm's allow-list")
         with trio.fail_after(timeout):
             await self.host.connect(info)
         await self.dht.add_peer(info.peer_id)
@@ -83,8 +87,16 @@ class Swarm:
 
 
 @asynccontextmanager
-async def open_swarm(key_pair: KeyPair, listen: multiaddr.Multiaddr, psk: str | None = None) -> AsyncIterator[Swarm]:
+async def open_swarm(
+    key_pair: KeyPair,
+    listen: multiaddr.Multiaddr,
+    psk: str | None = None,
+    allow: frozenset[ID] | None = None,
+) -> AsyncIterator[Swarm]:
+    """A running host + DHT. ``psk`` makes the swarm private; ``allow`` admits only those peer ids."""
     host = build_host(key_pair, psk=psk)
+    gate = PeerGate(allow)
+    gate.install(host)
     try:
         run = host.run(listen_addrs=[listen])
     except Exception as exc:
@@ -92,7 +104,7 @@ async def open_swarm(key_pair: KeyPair, listen: multiaddr.Multiaddr, psk: str | 
     async with run:
         dht = KadDHT(host, DHTMode.SERVER, max_peers_per_subnet=0)
         async with background_trio_service(dht):
-            yield Swarm(host, dht)
+            yield Swarm(host, dht, gate=gate)
 
 
 async def join_bootstrap(swarm: Swarm, addrs: tuple[multiaddr.Multiaddr, ...], timeout: float) -> int:

@@ -8,8 +8,9 @@ from typing import Any, Protocol
 import trio
 
 from node.config import NodeConfig
+from node.errors import UserError
 from node.host import Swarm, join_bootstrap, open_swarm
-from node.identity import load_or_create_key
+from node.identity import load_or_create_key, peer_id_of
 from node.status import status_line, write_status
 from node.weights.gossip import open_gossip
 
@@ -40,10 +41,20 @@ def node_status(config: NodeConfig, swarm: Swarm, role: Role) -> dict[str, Any]:
 async def run_node(config: NodeConfig, role: Role, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Run until cancelled. ``task_status.started`` receives the Swarm once the node has joined."""
     key_pair = load_or_create_key(config.identity_path)
-    async with open_swarm(key_pair, config.listen) as swarm, open_gossip(swarm.host) as gossip:
+    allow = config.allowed_peers(peer_id_of(key_pair))
+    async with (
+        open_swarm(key_pair, config.listen, psk=config.psk, allow=allow) as swarm,
+        open_gossip(swarm.host) as gossip,
+    ):
         swarm.gossip = gossip
         role.register(swarm)
-        reached = await join_bootstrap(swarm, config.bootstrap, config.bootstrap_timeout)
+        try:
+            reached = await join_bootstrap(swarm, config.bootstrap, config.bootstrap_timeout)
+        except UserError as exc:
+            if config.psk is None:
+                raise
+            hint = "this is a private swarm: do the bootstrap peers use the same swarm key?"
+            raise UserError(f"{exc} [{hint}]") from None
         log.info(
             "%s %s listening on %s; %d bootstrap peer(s) reached",
             role.name,
