@@ -36,11 +36,11 @@ async def test_only_nodes_with_the_swarm_key_can_connect(tmp_path):
         await b.connect(target)
         assert a.peer_id in b.host.get_connected_peers()
         for outsider in (wrong, public):
-            with pytest.raises(trio.TooSlowError):  # the handshake never makes sense to either side
+            with pytest.raises((trio.TooSlowError, SwarmException)):  # the handshake never makes sense
                 await outsider.connect(target, timeout=2)
             assert a.peer_id not in outsider.host.get_connected_peers()
         # and the private node cannot dial out into the public one either
-        with pytest.raises(trio.TooSlowError):
+        with pytest.raises((trio.TooSlowError, SwarmException)):
             await a.connect(info_from_p2p_addr(public.addrs()[0]), timeout=2)
         # the keyed pair still talks after the failed attempts: a libp2p ping round trip through the pnet cipher
         stream = await b.host.new_stream(a.peer_id, ["/ipfs/ping/1.0.0"])
