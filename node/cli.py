@@ -42,6 +42,7 @@ def add_node_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", type=Path, default=Path(".swarmrl"))
     p.add_argument("--provide-interval", type=float, default=None)
     p.add_argument("--bootstrap-timeout", type=float, default=None)
+    p.add_argument("--status-interval", type=float, default=None, help="seconds between status.json writes")
     p.add_argument("--model", type=Path, help="local HF checkpoint dir (default: the embedded tiny model)")
     # sampler
     p.add_argument("--engine", default="auto", choices=["auto", "mlx", "torch"])
@@ -55,13 +56,14 @@ def add_node_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--batch-groups", type=int, default=16, help="groups per GRPO step")
     p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--linger", type=float, default=2.0, help="seconds to keep serving weights after --max-steps")
     p.add_argument("--publish-every", type=int, default=1, help="publish a new version every N steps")
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--checkpoint-every", type=int, default=10)
     p.add_argument("--kl-beta", type=float, default=0.0)
     p.add_argument("--tis-cap", type=float, default=2.0)
-    p.add_argument("--rollout-rate", type=float, default=4.0, help="groups/s one peer may submit (token bucket)")
-    p.add_argument("--rollout-burst", type=float, default=16.0)
+    p.add_argument("--rollout-rate", type=float, default=8.0, help="groups/s one peer may submit (token bucket)")
+    p.add_argument("--rollout-burst", type=float, default=32.0)
     p.add_argument("--weights-encoding", choices=["fp32", "int8"], default="fp32")
     p.add_argument("--chunk-size", type=int, default=1 << 20)
     p.add_argument("-v", "--verbose", action="store_true")
@@ -83,6 +85,7 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
         "key_path": args.key,
         "provide_interval": args.provide_interval,
         "bootstrap_timeout": args.bootstrap_timeout,
+        "status_interval": args.status_interval,
         "psk": load_swarm_key(args.psk_file) if args.psk_file else None,
         "allow": frozenset(parse_peer_id(a, "--allow") for a in args.allow) if args.allow else None,
     }
@@ -121,6 +124,7 @@ def build_role(args: argparse.Namespace, config: NodeConfig):
             tis_cap=args.tis_cap,
             rollout_rate=args.rollout_rate,
             rollout_burst=args.rollout_burst,
+            linger_after_finish=args.linger,
         )
         return TrainerRole(
             config.swarm,

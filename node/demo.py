@@ -34,8 +34,11 @@ def add_demo_args(p: argparse.ArgumentParser) -> None:
 
 
 def node_cmd(role: str, data_dir: Path, config: Path, *extra: str) -> list[str]:
+    # -P: never import from the working directory, where a data dir named like a package (say "trainer/")
+    # would shadow the installed one
     return [
         sys.executable,
+        "-P",
         "-m",
         "node.cli",
         "node",

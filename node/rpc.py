@@ -36,7 +36,8 @@ def serve(name: str, handler: Handler, max_request: int, max_reply: int, timeout
                 except PeerClosed:
                     return
                 except ProtocolError as exc:
-                    log.warning("%s: rejected input from %s: %s", name, remote, exc)
+                    level = logging.DEBUG if exc.code == "rate_limited" else logging.WARNING  # backpressure, not abuse
+                    log.log(level, "%s: rejected input from %s: %s", name, remote, exc)
                     reply = error_reply(exc.code, str(exc), getattr(exc, "retry_after", None))
                 await write_message(stream, reply, max_reply)
                 await stream.close()

@@ -14,7 +14,7 @@ import pytest
 from node.config import write_config_file
 from node.identity import load_or_create_key, peer_id_of
 
-CLI = [sys.executable, "-m", "node.cli"]
+CLI = [sys.executable, "-P", "-m", "node.cli"]  # -P: data dirs in the cwd must not shadow packages
 
 
 def run_cli(*args: str, cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -57,7 +57,16 @@ def test_killed_trainer_resumes_and_samplers_reconnect(tmp_path, tiny_model_dir)
     trainer_id = peer_id_of(load_or_create_key(tmp_path / "trainer" / "identity.key"))
     cfg = tmp_path / "bootstrap.toml"
     write_config_file(cfg, "resume", [f"/ip4/127.0.0.1/tcp/{port}/p2p/{boot_id}"], str(trainer_id))
-    common = ["--config", str(cfg), "--provide-interval", "2", "--model", str(tiny_model_dir)]
+    common = [
+        "--config",
+        str(cfg),
+        "--provide-interval",
+        "2",
+        "--model",
+        str(tiny_model_dir),
+        "--status-interval",
+        "0.5",
+    ]
 
     def spawn(role, name, *extra):
         log = open(tmp_path / f"{name}.log", "a")
@@ -92,12 +101,21 @@ def test_killed_trainer_resumes_and_samplers_reconnect(tmp_path, tiny_model_dir)
             time.sleep(0.5)
         trainer.send_signal(signal.SIGKILL)
         trainer.wait()
+        time.sleep(1)
+        accepted_before = read_status(tmp_path / "s0")["rollouts_accepted"]  # acks the sampler holds
         saved = load_checkpoint(ckpt)
-        accepted_before = read_status(tmp_path / "s0")["rollouts_accepted"]
 
         t_restart = time.time()
         trainer = spawn("trainer", "trainer", *trainer_args)
         procs.append(trainer)
+        # the restarted trainer's first status, before any sampler found it again: what it remembers accepting
+        first = {}
+        deadline = time.time() + 60
+        while time.time() < deadline and first.get("updated", 0) < t_restart:
+            first = read_status(tmp_path / "trainer")
+            time.sleep(0.05)
+        # nothing acknowledged was lost with the process: the journal put back what the checkpoint lacked
+        assert first["rollouts_accepted"] >= accepted_before > saved["ledger"]["rollouts_accepted"]
         deadline = time.time() + 180
         resumed = []
         while time.time() < deadline:
@@ -112,6 +130,10 @@ def test_killed_trainer_resumes_and_samplers_reconnect(tmp_path, tiny_model_dir)
             time.sleep(1)
         else:
             pytest.fail("the restarted trainer did not train on new rollouts")
+        after = read_status(tmp_path / "trainer")
+        assert after["groups_accepted"] == (
+            after["groups_trained"] + after["groups_stale"] + after["groups_no_signal"] + after["groups_buffered"]
+        )
         log = (tmp_path / "trainer.log").read_text()
         assert f"resumed from {ckpt} at step {saved['step']}, version {saved['version']}" in log
         # the step counter continues from the checkpoint, and no version number is ever reused

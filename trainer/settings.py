@@ -33,8 +33,8 @@ class TrainerSettings:
     torch_threads: int = 1
     seed: int = 0
     # per-peer request limits (token buckets): sustained rate per second and burst
-    rollout_rate: float = 4.0
-    rollout_burst: float = 16.0
+    rollout_rate: float = 8.0
+    rollout_burst: float = 32.0
     work_rate: float = 2.0
     work_burst: float = 8.0
     linger_after_finish: float = 2.0  # keep serving the last version briefly after max_steps

@@ -242,4 +242,5 @@ class SamplerRole:
             "rollouts_accepted": self.rollouts_accepted,
             "rollouts_rejected": self.rollouts_rejected,
             "rate_limited": self.rate_limited,
+            **(self.weights.status() if hasattr(self, "weights") else {}),
         }

@@ -26,6 +26,7 @@ from trainer.buffer import RolloutBuffer
 from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.evaluate import evaluate
 from trainer.grpo import LossConfig, has_signal
+from trainer.journal import RolloutJournal
 from trainer.leases import LeaseBook
 from trainer.metrics import append_jsonl, plot_curve, read_jsonl
 from trainer.policy import load_model, load_tokenizer
@@ -97,7 +98,10 @@ class TrainerRole:
         self.decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)
         sampling = SamplingParams(settings.temperature, settings.top_p, settings.max_tokens)
         self.leases = LeaseBook(self.task, self.encode, settings.group_size, sampling, settings.lease_ttl)
-        self.buffer = RolloutBuffer()
+        self.journal = RolloutJournal(data_dir / "journal")
+        self.buffer = RolloutBuffer(journal=self.journal)
+        self.groups_trained = 0
+        self._pending: list = []
         self.work_limit = PeerRateLimiter(settings.work_rate, settings.work_burst)
         self.rollout_limit = PeerRateLimiter(settings.rollout_rate, settings.rollout_burst)
         resumed = load_checkpoint(self.checkpoint_path)
@@ -106,7 +110,9 @@ class TrainerRole:
             self.optimizer.load_state_dict(resumed["optimizer"])
             self.version, self.step = resumed["version"], resumed["step"]
             self.leases.next_seed = resumed["next_seed"]
+            self._restore_ledger(resumed.get("ledger", {}))
             log.info("resumed from %s at step %d, version %d", self.checkpoint_path, self.step, self.version)
+        self._replay_journal(resumed.get("journal_epoch", 0) if resumed else 0)
         self.store = ChunkStore(data_dir / "store")
         published = self.store.latest()
         if published is not None and published[2].version > self.version:
@@ -127,6 +133,47 @@ class TrainerRole:
         self.encoding = encoding
         self.announce_interval = announce_interval
         self.published: tuple[int, bytes] | None = None  # (version, manifest id)
+
+    # -- nothing accepted is lost: the ledger of every accepted group's fate, and the journal behind it -----
+    def ledger(self) -> dict[str, Any]:
+        return {
+            "groups_accepted": self.buffer.groups_accepted,
+            "rollouts_accepted": self.buffer.accepted,
+            "accepted_by_peer": dict(self.buffer.accepted_by_peer),
+            "groups_trained": self.groups_trained,
+            "groups_stale": self.buffer.dropped_stale,
+            "groups_no_signal": self.zero_signal_groups,
+        }
+
+    def _restore_ledger(self, ledger: dict[str, Any]) -> None:
+        self.buffer.groups_accepted = ledger.get("groups_accepted", 0)
+        self.buffer.accepted = ledger.get("rollouts_accepted", 0)
+        self.buffer.accepted_by_peer = dict(ledger.get("accepted_by_peer", {}))
+        self.groups_trained = ledger.get("groups_trained", 0)
+        self.buffer.dropped_stale = ledger.get("groups_stale", 0)
+        self.zero_signal_groups = ledger.get("groups_no_signal", 0)
+
+    def _replay_journal(self, epoch: int) -> None:
+        """Put back what the checkpoint had buffered and everything accepted after it, then start a segment."""
+        snapshot, new = self.journal.replay(epoch)
+        for group, ids in snapshot:
+            self.buffer.restore(group, ids, count=False)
+        for group, ids in new:
+            self.buffer.restore(group, ids, count=True)
+        if snapshot or new:
+            log.info("journal: %d buffered and %d newer accepted groups restored", len(snapshot), len(new))
+        # appends go to a fresh segment after every existing one: earlier segments stay as they are until a
+        # checkpoint supersedes them (a later replay still needs their records)
+        self.journal.start_segment(max(epoch, self.journal.last_epoch()) + 1, [])
+
+    async def checkpoint(self) -> None:
+        """Cut a journal segment (in the event loop, so no accept can slip between it and the ledger), then
+        write the checkpoint that names it off the loop, then drop the segments it supersedes."""
+        epoch = self.journal.epoch + 1
+        self.journal.start_segment(epoch, self.buffer.snapshot())
+        ledger = self.ledger()
+        await trio.to_thread.run_sync(self.save, epoch, ledger)
+        self.journal.drop_before(epoch)
 
     # -- protocol handlers -------------------------------------------------------------------------
     async def on_work(self, message: dict[str, Any], remote: ID) -> dict[str, Any]:
@@ -208,6 +255,8 @@ class TrainerRole:
             )
             self.busy_seconds += time.monotonic() - t0
             self.step += 1
+            self.groups_trained += len(groups)
+            self._pending = []
             if self.step % s.publish_every == 0:
                 self.version += 1
                 self.scorer.remember(self.version, self.model.state_dict())
@@ -228,13 +277,14 @@ class TrainerRole:
             if self.step % s.eval_every == 0:
                 await self._evaluate()
             if self.step % s.checkpoint_every == 0:
-                await trio.to_thread.run_sync(self.save)
-        await trio.to_thread.run_sync(self.save)
+                await self.checkpoint()
+        await self.checkpoint()
         self.finished.set()
 
     async def _next_batch(self) -> list:
         """Wait for ``batch_groups`` usable groups (fresh enough, with reward variance)."""
         batch: list = []
+        self._pending = batch  # taken from the buffer but not trained yet: still counted as buffered
         while len(batch) < self.settings.batch_groups:
             taken = self.buffer.take(self.settings.batch_groups - len(batch), self.version, self.settings.max_staleness)
             if self.started_at is None and taken:
@@ -268,7 +318,7 @@ class TrainerRole:
     def _record(self, record: dict) -> None:
         append_jsonl(self.metrics_path, {"time": time.time(), **record})
 
-    def save(self) -> None:
+    def save(self, journal_epoch: int, ledger: dict[str, Any]) -> None:
         save_checkpoint(
             self.checkpoint_path,
             model=self.model.state_dict(),
@@ -276,6 +326,8 @@ class TrainerRole:
             version=self.version,
             step=self.step,
             next_seed=self.leases.next_seed,
+            journal_epoch=journal_epoch,
+            ledger=ledger,
         )
 
     def status(self) -> dict[str, Any]:
@@ -289,7 +341,8 @@ class TrainerRole:
             },
             "leases_issued": self.leases.issued,
             "rollouts_accepted": self.buffer.accepted,
-            "groups_buffered": len(self.buffer),
+            "groups_buffered": len(self.buffer) + len(self._pending),
+            **{k: v for k, v in self.ledger().items() if k.startswith("groups_")},
             "groups_rejected": self.verifier.rejected,
             "groups_forged": self.verifier.forged,
             "stale_dropped": self.buffer.dropped_stale,

@@ -88,6 +88,9 @@ class Download:
         self._order = {i: random.random() for i in range(len(self.chunks))}  # spreads concurrent pulls apart
         self._progress = trio.Event()
 
+    def fraction_done(self) -> float:
+        return 1.0 - len(self.missing) / max(1, len(self.chunks))
+
     def _poke(self) -> None:
         self._progress.set()
         self._progress = trio.Event()

@@ -36,6 +36,7 @@ class WeightSync:
         *,
         poll_interval: float = 5.0,
         keep_versions: int = 3,
+        finish_fraction: float = 0.5,
     ) -> None:
         self.swarm = swarm
         self.store = store
@@ -45,6 +46,7 @@ class WeightSync:
         self.on_version = on_version
         self.poll_interval = poll_interval
         self.keep_versions = keep_versions
+        self.finish_fraction = finish_fraction
         self.penalties = PeerPenalties()
         self.current: int = -1
         self.target: tuple[int, bytes, w.Manifest] | None = None
@@ -63,6 +65,19 @@ class WeightSync:
             nursery.start_soon(self.gossip.listen, announce_topic(self.swarm_name), self._on_announce)
             nursery.start_soon(self._poll_trainer)
             nursery.start_soon(self._download_loop)
+
+    def status(self) -> dict[str, Any]:
+        """What a user (or a test harness) wants to see: where this node is and where it is going."""
+        out: dict[str, Any] = {
+            "weights_version": self.current,
+            "peers_struck": {str(p): n for p, n in self.penalties.strikes.items()},
+            "forged_manifests": self.forged_manifests,
+        }
+        d = self.download
+        if d is not None and d.missing and self.target is not None and self.target[0] > self.current:
+            have = len(d.chunks) - len(d.missing)
+            out["downloading"] = {"version": self.target[0], "have": have, "of": len(d.chunks)}
+        return out
 
     async def _on_announce(self, sender: ID, message: dict[str, Any]) -> None:
         version, mid = w.parse_announce(message)
@@ -121,22 +136,27 @@ class WeightSync:
         while True:
             await self._target_changed.wait()
             self._target_changed = trio.Event()
-            _version, mid, manifest = self.target
+            version, mid, manifest = self.target
             download = Download(self.swarm.host, self.store, manifest, mid, self.trainer_id, self.peers, self.penalties)
             self.download = download
             with trio.CancelScope() as scope:
                 async with trio.open_nursery() as nursery:
-                    # a newer target cancels this download; chunks already stored are kept for the next one
-                    async def cancel_on_newer() -> None:
-                        await self._target_changed.wait()
-                        scope.cancel()
-
-                    nursery.start_soon(cancel_on_newer)
+                    nursery.start_soon(self._cancel_on_newer, download, version, scope)
                     await download.run()
                     nursery.cancel_scope.cancel()
             if scope.cancelled_caught:
                 continue
             await self._activate(mid, manifest)
+
+    async def _cancel_on_newer(self, download: Download, version: int, scope: trio.CancelScope) -> None:
+        """A newer target cancels this download (chunks already stored are kept for the next one), unless it
+        is mostly done: on a slow link, a trainer that publishes faster than the link moves a version would
+        otherwise leave the node holding nothing usable, forever."""
+        await self._target_changed.wait()
+        if download.fraction_done() >= self.finish_fraction:
+            log.info("version %d is %.0f%% here: finishing it first", version, 100 * download.fraction_done())
+            return
+        scope.cancel()
 
     async def _activate(self, mid: bytes, manifest: w.Manifest) -> None:
         path = await trio.to_thread.run_sync(self.store.assemble, manifest)

@@ -1,0 +1,208 @@
+"""The swarm on an emulated WAN (network namespaces, veth, tbf, a TUN delay/loss emulator): the lab itself is
+checked against its profile, then a scripted run of faults: samplers joining at random, one killed
+mid-transfer, a corrupt-chunk peer, a rollout flooder, a partition that heals, and a trainer restart."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from node.identity import load_or_create_key, peer_id_of
+from tests.netlab.swarm import WanSwarm, plot_timeline, wan_links
+from tests.netlab.topology import Lab, Link, lab_unavailable
+
+pytestmark = pytest.mark.skipif(lab_unavailable() is not None, reason=f"no network lab: {lab_unavailable()}")
+
+ECHO_SERVER = """
+import socket
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('0.0.0.0', 5000)); s.listen()
+while True:
+    c, _ = s.accept(); c.sendall(b'!')
+    while c.recv(1 << 20): pass
+    c.sendall(b'done'); c.close()
+"""
+
+CLIENT = """
+import socket, sys, time
+t = time.time(); c = socket.create_connection((sys.argv[1], 5000), timeout=5); c.recv(1); first = time.time() - t
+payload = b'x' * int(sys.argv[2]); t = time.time(); c.sendall(payload); c.shutdown(socket.SHUT_WR); c.recv(4)
+print(first, time.time() - t)
+"""
+
+
+def test_lab_emulates_rtt_bandwidth_and_partitions(tmp_path):
+    lab = Lab(tmp_path / "lab", [Link("eu", "us", 120), Link("eu", "eu", 10), Link("us", "us", 10)])
+    lab.add_host("a", "eu", 40, 40)
+    lab.add_host("b", "us", 20, 20)
+    lab.add_host("c", "eu", 40, 40)
+    with lab:
+        lab.popen("b", [sys.executable, "-c", ECHO_SERVER], tmp_path / "echo.log")
+        lab.popen("c", [sys.executable, "-c", ECHO_SERVER], tmp_path / "echo-c.log")
+        time.sleep(1.0)
+
+        def probe(src: str, dst: str, nbytes: int) -> tuple[float, float]:
+            r = lab.run(src, [sys.executable, "-c", CLIENT, lab.hosts[dst].ip, str(nbytes)])
+            assert r.returncode == 0, r.stderr
+            first, transfer = map(float, r.stdout.split())
+            return first, transfer
+
+        far_first, far_transfer = probe("a", "b", 4 << 20)
+        near_first, _ = probe("a", "c", 1000)
+        # SYN/SYN-ACK plus the server's first byte: 1.5 RTT across the ocean, tiny within a region
+        assert 0.17 <= far_first <= 0.5, far_first
+        assert near_first < 0.1, near_first
+        # 4 MiB into a 20 Mbit/s downlink: at least 1.68 s, and TCP gets most of the link
+        mbit = (4 << 20) * 8 / far_transfer / 1e6
+        assert 8 <= mbit <= 21, mbit
+        lab.partition(["eu"], ["us"])
+        time.sleep(0.3)
+        r = lab.run("a", [sys.executable, "-c", CLIENT, lab.hosts["b"].ip, "10"])
+        assert r.returncode != 0 and "timed out" in r.stderr
+        assert lab.stats()["dropped_partition"] > 0
+        assert probe("a", "c", 1000)[0] < 0.1  # the partition is between regions only
+        lab.heal()
+        time.sleep(0.3)
+        assert 0.17 <= probe("a", "b", 1000)[0] <= 0.5
+    leftover = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"srl{lab.tag}" not in leftover  # everything the lab made is gone
+
+
+def trainer_args(max_steps: int = 100_000) -> list[str]:
+    return [
+        "--task", "reverse", "--group-size", "4", "--max-tokens", "6", "--batch-groups", "4", "--publish-every", "2",
+        "--max-steps", str(max_steps), "--eval-every", "100000", "--checkpoint-every", "2", "--weights-encoding",
+        "int8", "--chunk-size", "262144", "--linger", "600", "--rollout-rate", "4", "--rollout-burst", "8",
+    ]  # fmt: skip
+FIGURES = Path(__file__).resolve().parents[1] / "runs" / "wan"
+
+
+class Scenario:
+    """Drives a WanSwarm through timed steps, sampling every node's state all along."""
+
+    def __init__(self, swarm: WanSwarm, joins: dict[str, float]) -> None:
+        self.swarm = swarm
+        self.joins = dict(joins)  # sampler -> time (s after start) it joins
+        self.down: set[str] = set()
+
+    def pump(self, until, timeout: float, what: str) -> None:
+        deadline = time.time() + timeout
+        while True:
+            now = time.time() - self.swarm.t0
+            for name, at in list(self.joins.items()):
+                if now >= at:
+                    self.swarm.start(name)
+                    del self.joins[name]
+            self.swarm.sample_timeline()
+            live = [n for n in self.swarm.procs if n not in self.down]
+            self.swarm.check_alive(*live)
+            if until():
+                return
+            if time.time() > deadline:
+                states = {n: self.swarm.status(n) for n in live}
+                raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}: {states}")
+            time.sleep(0.1)
+
+    def version(self, name: str) -> int:
+        return int(self.swarm.status(name).get("weights_version", -1))
+
+    def trainer(self) -> dict:
+        return self.swarm.status("trainer")
+
+
+@pytest.mark.slow
+def test_wan_faults_lose_nothing_and_every_sampler_converges(tmp_path, tiny_model_dir):
+    rng = random.Random(6)
+    lab = Lab(tmp_path / "lab", wan_links())
+    swarm = WanSwarm(lab, tmp_path, tiny_model_dir, trainer_args=trainer_args())
+    swarm.plan(8, extra={"evil": "eu", "flood": "asia"})
+    swarm.write_config()
+    honest = [f"s{i}" for i in range(8)]
+    # s4 is the one killed mid-transfer: it joins last, alone, so its first download is easy to catch
+    sc = Scenario(swarm, {f"s{i}": rng.uniform(3, 25) for i in (5, 6, 7)})
+    with lab:
+        swarm.start("boot")
+        time.sleep(2)
+        swarm.start("trainer")
+        swarm.start_hostile("evil", "corrupt")
+        for name in honest[:4]:
+            swarm.start(name)
+        sc.pump(lambda: all(sc.version(n) >= 0 for n in honest[:4]), 180, "the first samplers' first version")
+        sc.pump(lambda: not sc.joins and all(sc.version(n) >= 0 for n in honest if n != "s4"), 180, "late joiners")
+
+        # -- a sampler killed mid-transfer resumes from the chunks it kept ------------------------------
+        swarm.start("s4")
+        def partial() -> bool:
+            got = swarm.store_progress("s4")
+            return got is not None and 0 < got[0] < got[1]
+        sc.pump(partial, 120, "s4 to be part-way through a download")
+        swarm.kill("s4")
+        sc.down.add("s4")
+        held, needed = swarm.store_progress("s4")
+        assert 0 < held < needed, "the kill should land mid-transfer"
+        time.sleep(2)
+        swarm.start("s4")
+        sc.down.discard("s4")
+        sc.pump(lambda: sc.version("s4") >= 0, 120, "s4 to finish after its restart")
+
+        # -- a flooder gets rate-limited; everyone else keeps working ------------------------------------
+        swarm.start_hostile("flood", "flood")
+        before = {n: swarm.status(n).get("rollouts_accepted", 0) for n in honest}
+        sc.pump(lambda: swarm.status("flood").get("sent", 0) > 200, 120, "the flood")
+        sc.pump(
+            lambda: all(swarm.status(n).get("rollouts_accepted", 0) > before[n] for n in honest),
+            180,
+            "every honest sampler to get rollouts accepted during the flood",
+        )
+
+        # -- partition South America away; it falls behind, then catches up after the heal ---------------
+        sa = [n for n in honest if lab.hosts[n].region == "sa"]
+        v_cut = sc.trainer()["version"]
+        lab.partition(["sa"], ["na", "eu", "asia"])
+        swarm.event("partition sa")
+        held_during = {n: sc.version(n) for n in sa}
+        sc.pump(lambda: sc.trainer()["version"] >= v_cut + 3, 180, "the trainer to publish during the partition")
+        for n in sa:
+            assert sc.version(n) <= max(held_during[n], v_cut), "nothing crosses a partition"
+        lab.heal()
+        swarm.event("heal")
+        v_heal = sc.trainer()["version"]
+        sc.pump(lambda: all(sc.version(n) >= v_heal for n in sa), 180, "the partitioned samplers to catch up")
+
+        # -- the trainer dies and comes back from its checkpoint; it then runs 6 more steps and stops -------
+        before_kill = sc.trainer()
+        swarm.kill("trainer")
+        sc.down.add("trainer")
+        time.sleep(3)
+        resumed_step = before_kill["step"] - before_kill["step"] % 2  # checkpoint-every 2
+        swarm.trainer_args = trainer_args(max_steps=resumed_step + 6)
+        swarm.start("trainer")
+        sc.down.discard("trainer")
+        sc.pump(lambda: sc.trainer().get("step", 0) >= resumed_step + 6, 300, "the resumed trainer to finish")
+        final = sc.trainer()["version"]
+        assert final > before_kill["version"], "a restarted trainer never reuses a version number"
+        sc.pump(lambda: all(sc.version(n) == final for n in honest), 180, f"every sampler to reach version {final}")
+        trainer, states = sc.trainer(), {n: swarm.status(n) for n in honest}
+        evil_state, flood_state = swarm.status("evil"), swarm.status("flood")
+
+    FIGURES.mkdir(parents=True, exist_ok=True)
+    plot_timeline(swarm, tmp_path / "wan_timeline.png", "swarmrl on an emulated WAN: faults and convergence")
+    shutil.copy(tmp_path / "wan_timeline.png", FIGURES / "wan_timeline.png")
+    # the corrupt peer served garbage, the samplers caught it by blake3 and struck it; nothing bad was installed
+    evil_id = str(peer_id_of(load_or_create_key(tmp_path / "evil" / "identity.key")))
+    assert evil_state["garbage_bytes_served"] > 0
+    assert any(evil_id in s.get("peers_struck", {}) for s in states.values())
+    # the flooder was mostly refused at the door; no honest peer was banned or limited into losing work
+    assert flood_state["replies"].get("rate_limited", 0) > 5 * flood_state["replies"].get("schema", 0)
+    assert trainer["banned"] == 0
+    # nothing accepted is lost: every group the trainer ever acknowledged was trained on, dropped as too
+    # stale or without signal (counted), or is still buffered, across the restart
+    assert trainer["groups_accepted"] == (
+        trainer["groups_trained"] + trainer["groups_stale"] + trainer["groups_no_signal"] + trainer["groups_buffered"]
+    )
+    assert trainer["groups_accepted"] >= before_kill["groups_accepted"]
