@@ -152,6 +152,7 @@ def test_wan_faults_lose_nothing_and_every_sampler_converges(tmp_path, tiny_mode
 
         # -- a flooder gets rate-limited; everyone else keeps working ------------------------------------
         swarm.start_hostile("flood", "flood")
+        flood_started = time.time()
         before = {n: swarm.status(n).get("rollouts_accepted", 0) for n in honest}
         sc.pump(lambda: swarm.status("flood").get("sent", 0) > 200, 120, "the flood")
         sc.pump(
@@ -189,6 +190,7 @@ def test_wan_faults_lose_nothing_and_every_sampler_converges(tmp_path, tiny_mode
         sc.pump(lambda: all(sc.version(n) == final for n in honest), 180, f"every sampler to reach version {final}")
         trainer, states = sc.trainer(), {n: swarm.status(n) for n in honest}
         evil_state, flood_state = swarm.status("evil"), swarm.status("flood")
+        flood_seconds = time.time() - flood_started
 
     FIGURES.mkdir(parents=True, exist_ok=True)
     plot_timeline(swarm, tmp_path / "wan_timeline.png", "swarmrl on an emulated WAN: faults and convergence")
@@ -198,7 +200,10 @@ def test_wan_faults_lose_nothing_and_every_sampler_converges(tmp_path, tiny_mode
     assert evil_state["garbage_bytes_served"] > 0
     assert any(evil_id in s.get("peers_struck", {}) for s in states.values())
     # the flooder was mostly refused at the door; no honest peer was banned or limited into losing work
-    assert flood_state["replies"].get("rate_limited", 0) > 5 * flood_state["replies"].get("schema", 0)
+    # (two trainer processes, each with a fresh bucket of 8, and 4 groups/s after that)
+    let_through = flood_state["replies"].get("schema", 0)
+    assert let_through <= 2 * 8 + 4 * flood_seconds + 4, (let_through, flood_seconds)
+    assert flood_state["replies"].get("rate_limited", 0) > 2 * let_through
     assert trainer["banned"] == 0
     # nothing accepted is lost: every group the trainer ever acknowledged was trained on, dropped as too
     # stale or without signal (counted), or is still buffered, across the restart
