@@ -51,16 +51,19 @@ class Seed:
         self.publisher = Publisher(self.store, key, self.config.swarm, self.model_dir)
 
     async def publish(self, swarm: Swarm) -> None:
-        self.version += 1
-        if self.version:
+        version = self.version + 1
+        mode = self.root / "mode"
+        # the naive baseline gets a plain server: super-seeding only pays when peers re-serve
+        self.server.super_seed = not (mode.exists() and mode.read_text() == "naive")
+        if version:
             with torch.no_grad():
                 for p in self.model.parameters():
                     p.add_(torch.randn_like(p) * 1e-3)
-        mid, _, manifest = await trio.to_thread.run_sync(self.publisher.publish, self.model, self.version)
-        self.mid = mid
-        self.published[self.version] = {"time": time.time(), "bytes": manifest.total_size}
+        mid, _, manifest = await trio.to_thread.run_sync(self.publisher.publish, self.model, version)
+        self.published[version] = {"time": time.time(), "bytes": manifest.total_size}
         (self.root / "published.json").write_text(json.dumps(self.published))
-        await swarm.gossip.publish(announce_topic(self.config.swarm), w.announce(self.version, mid))
+        self.version, self.mid = version, mid
+        await swarm.gossip.publish(announce_topic(self.config.swarm), w.announce(version, mid))
 
     async def run(self, swarm: Swarm) -> None:
         await self.publish(swarm)

@@ -9,12 +9,14 @@ import struct
 import msgpack
 import pytest
 import trio
+from libp2p.host.exceptions import StreamFailure
 
 from node.engines import make_engine
 from node.host import open_swarm
 from node.identity import load_or_create_key
 from node.rpc import request
 from protocols import rollouts, work
+from protocols import weights as weights_proto
 from protocols.errors import RemoteError
 from protocols.framing import FrameReader, unpack
 from protocols.rollouts import RolloutAck, RolloutGroup, Sample
@@ -22,8 +24,8 @@ from protocols.work import WorkLease, WorkRequest
 from tests.swarm_helpers import LOOPBACK, start_bootstrap, start_sampler, start_trainer, wait_until
 
 
-async def raw_exchange(client, trainer_id, payload: bytes) -> dict:
-    stream = await client.host.new_stream(trainer_id, [rollouts.PROTOCOL_ID])
+async def raw_exchange(client, trainer_id, payload: bytes, protocol: str = rollouts.PROTOCOL_ID) -> dict:
+    stream = await client.host.new_stream(trainer_id, [protocol])
     await stream.write(payload)
     reply = await FrameReader(stream).read_body(1 << 20)
     await stream.close()
@@ -79,6 +81,33 @@ async def test_bad_frames_get_error_replies_and_trainer_survives(trainer_and_cli
     # still alive and serving
     lease = await get_lease(client, trainer)
     assert lease.group_size == 4 and len(lease.tasks) == 2
+
+
+async def test_weights_protocol_and_unknown_protocols_fail_clearly(trainer_and_client):
+    trainer, client = trainer_and_client
+    tid = trainer.swarm.peer_id
+    wp = weights_proto.PROTOCOL_ID
+    assert (await raw_exchange(client, tid, framed(b"\x92\x01"), wp))["code"] == "malformed"
+    assert (await raw_exchange(client, tid, struct.pack(">I", 1 << 30), wp))["code"] == "too_large"
+    odd = framed(msgpack.packb({"v": 1, "t": "get_chunks", "hashes": [b"short"]}))
+    assert (await raw_exchange(client, tid, odd, wp))["code"] == "schema"
+    unknown = framed(msgpack.packb({"v": 1, "t": "get_everything"}))
+    assert (await raw_exchange(client, tid, unknown, wp))["code"] == "malformed"
+    newer = framed(msgpack.packb({"v": 2, "t": "get_manifest", "id": b""}))
+    assert (await raw_exchange(client, tid, newer, wp))["code"] == "version"
+    # a protocol id this node does not speak (a future major version) is refused at negotiation
+    with pytest.raises(StreamFailure, match="failed to open a stream"):
+        await client.host.new_stream(tid, ["/swarmrl/rollout/9.0.0"])
+    # still alive and serving the real thing
+    reply = await request(
+        client.host,
+        tid,
+        wp,
+        weights_proto.get_manifest(None),
+        max_request=weights_proto.MAX_REQUEST_FRAME,
+        max_reply=weights_proto.MAX_MANIFEST_BODY + 4096,
+    )
+    assert reply["t"] == "manifest"
 
 
 async def test_forged_rollouts_are_rejected_and_offenders_banned(trainer_and_client, tiny_model_dir):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -173,7 +174,13 @@ def test_wan_faults_lose_nothing_and_every_sampler_converges(tmp_path, tiny_mode
         lab.heal()
         swarm.event("heal")
         v_heal = sc.trainer()["version"]
+        # meanwhile a sampler leaves politely (SIGTERM), and comes back later
+        leaver = rng.choice([n for n in honest if n not in sa and n != "s4"])
+        swarm.kill(leaver, signal.SIGTERM)
+        sc.down.add(leaver)
         sc.pump(lambda: all(sc.version(n) >= v_heal for n in sa), 180, "the partitioned samplers to catch up")
+        swarm.start(leaver)
+        sc.down.discard(leaver)
 
         # -- the trainer dies and comes back from its checkpoint; it then runs 6 more steps and stops -------
         before_kill = sc.trainer()
