@@ -9,6 +9,8 @@ fetch rarest-first from everyone) and the naive baseline (each sampler fetches f
 Prints, per mode, the time from publish to the last sampler holding the version, against the ideal
 T* = max(S/U_seed, S/min(D_i), N*S/(U_seed + sum u_i)) (no protocol can beat the slowest downlink, the seed's
 uplink, or the swarm's total upload), as ratios; writes bench/results/wan.txt and wan.png. Needs root.
+On a 2-core machine the 13 processes keep both cores busy during a swarm round (Noise and yamux run in
+Python), so part of the swarm's gap to the ideal is CPU time, not link time.
 
     sudo .venv/bin/python bench/wan.py [--samplers 12] [--seed-mbps 100] [--rounds 2]
 """

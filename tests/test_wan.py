@@ -1,12 +1,12 @@
 """The swarm on an emulated WAN (network namespaces, veth, tbf, a TUN delay/loss emulator): the lab itself is
 checked against its profile, then a scripted run of faults: samplers joining at random, one killed
-mid-transfer, a corrupt-chunk peer, a rollout flooder, a partition that heals, and a trainer restart."""
+mid-transfer, one vanishing while it serves, a corrupt-chunk peer, a rollout flooder, a partition that
+heals, and a trainer restart."""
 
 from __future__ import annotations
 
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -174,9 +174,11 @@ def test_wan_faults_lose_nothing_and_every_sampler_converges(tmp_path, tiny_mode
         lab.heal()
         swarm.event("heal")
         v_heal = sc.trainer()["version"]
-        # meanwhile a sampler leaves politely (SIGTERM), and comes back later
+        # meanwhile a sampler that is serving chunks to the catching-up samplers vanishes, and comes back later
         leaver = rng.choice([n for n in honest if n not in sa and n != "s4"])
-        swarm.kill(leaver, signal.SIGTERM)
+        served = swarm.status(leaver).get("bytes_uploaded", 0)
+        sc.pump(lambda: swarm.status(leaver).get("bytes_uploaded", 0) > served, 60, f"{leaver} to serve chunks")
+        swarm.kill(leaver)
         sc.down.add(leaver)
         sc.pump(lambda: all(sc.version(n) >= v_heal for n in sa), 180, "the partitioned samplers to catch up")
         swarm.start(leaver)
