@@ -117,3 +117,24 @@ def test_gc_keeps_newest_versions_and_shared_chunks(publisher, tiny_model_dir):
     assert not pub.store.missing(metas[2][2]) and not pub.store.missing(metas[3][2])
     assert pub.store.missing(metas[0][2])  # its unique chunks are gone
     assert manifest_id(metas[3][1]) == metas[3][0]
+
+
+def test_gc_never_drops_the_last_complete_version_for_newer_partial_ones(publisher, tiny_model_dir, tmp_path):
+    """A sampler that heard of three newer versions while holding one must still restart from that one."""
+    pub, _ = publisher
+    model = load_model(tiny_model_dir)
+    metas = []
+    for v in range(5):
+        with torch.no_grad():
+            model.model.layers[0].mlp.up_proj.weight.mul_(1.01)
+        metas.append(pub.publish(model, v))
+    mine = ChunkStore(tmp_path / "sampler")
+    for _, signed, manifest in metas:
+        mine.add_manifest(signed, manifest)
+    first = metas[0][2]
+    mine.put_verified({h: pub.store.read(h) for h in first.all_chunks()})  # only version 0 arrived in full
+    mine.gc(keep=2)
+    assert mine.latest()[2].version == 0  # still there, usable after a restart
+    reopened = ChunkStore(tmp_path / "sampler")
+    assert reopened.latest()[2].version == 0
+    assert [mine.manifest(m[0]) is not None for m in metas] == [True, False, False, True, True]

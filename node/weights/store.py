@@ -140,12 +140,23 @@ class ChunkStore:
         return out
 
     def gc(self, keep: int) -> int:
-        """Keep the newest ``keep`` versions; drop older manifests, checkpoints and unreferenced chunks."""
+        """Keep the newest ``keep`` complete versions, and up to ``keep`` newer ones still arriving; drop other
+        manifests, their checkpoints and unreferenced chunks. (Counting incomplete versions against ``keep``
+        would let a burst of announcements delete the only version a restarted node could start from.)"""
         by_version = sorted(self._manifests.items(), key=lambda kv: kv[1][1].version, reverse=True)
-        for mid, (_, m) in by_version[keep:]:
+        complete = [mid for mid, (_, m) in by_version if not self.missing(m)]
+        newest_complete = self._manifests[complete[0]][1].version if complete else -1
+        arriving = [mid for mid, (_, m) in by_version if m.version > newest_complete]
+        kept = set(complete[:keep]) | set(arriving[:keep])
+        for mid, (_, m) in by_version:
+            if mid in kept:
+                continue
             (self.manifest_dir / f"{mid.hex()}.bin").unlink(missing_ok=True)
             shutil.rmtree(self.checkpoint_dir / f"v{m.version}", ignore_errors=True)
             del self._manifests[mid]
+        return self._drop_unreferenced()
+
+    def _drop_unreferenced(self) -> int:
         referenced = {h for _, m in self._manifests.values() for h in m.all_chunks()}
         dropped = 0
         for h in list(self._present - referenced):
