@@ -82,7 +82,16 @@ def test_swarm_of_separate_processes(tmp_path, tiny_model_dir):
     trainer_id = peer_id_of(load_or_create_key(tmp_path / "trainer" / "identity.key"))
     cfg = tmp_path / "bootstrap.toml"
     write_config_file(cfg, "proc", [f"/ip4/127.0.0.1/tcp/{port}/p2p/{boot_id}"], str(trainer_id))
-    common = ["--config", str(cfg), "--provide-interval", "2", "--model", str(tiny_model_dir)]
+    common = [
+        "--config",
+        str(cfg),
+        "--provide-interval",
+        "2",
+        "--model",
+        str(tiny_model_dir),
+        "--status-interval",
+        "0.5",
+    ]
 
     def spawn(role: str, name: str, *extra: str) -> subprocess.Popen:
         log = open(tmp_path / f"{name}.log", "w")
@@ -101,7 +110,8 @@ def test_swarm_of_separate_processes(tmp_path, tiny_model_dir):
         deadline = time.time() + 120
         while time.time() < deadline:
             states = [read_status(tmp_path / f"s{i}") for i in range(2)]
-            if all(s.get("rollouts_accepted", 0) > 0 and s.get("samplers_known") == 1 for s in states):
+            done = all(s.get("rollouts_accepted", 0) > 0 and s.get("samplers_known") == 1 for s in states)
+            if done and read_status(tmp_path / "trainer").get("rollouts_accepted", 0) > 0:
                 break
             assert all(p.poll() is None for p in procs), (tmp_path / "trainer.log").read_text()[-2000:]
             time.sleep(1)
