@@ -78,9 +78,13 @@ class WorkLease:
     sampling: SamplingParams
     tasks: list[TaskSpec]
     expires_in: float
+    # groups sampled on a version more than this many behind the trainer's are refused (None: not told)
+    max_staleness: int | None = None
 
     def to_wire(self) -> dict[str, Any]:
+        extra = {} if self.max_staleness is None else {"max_staleness": self.max_staleness}
         return {
+            **extra,
             "v": WIRE_VERSION,
             "t": "lease",
             "lease_id": self.lease_id,
@@ -102,4 +106,5 @@ class WorkLease:
             sampling=SamplingParams.from_wire(s.mapping(m, "sampling")),
             tasks=[TaskSpec.from_wire(t if isinstance(t, dict) else {}) for t in tasks],
             expires_in=s.number(m, "expires_in", 0.0, 86400.0),
+            max_staleness=s.integer(m, "max_staleness", 0, 1 << 20) if "max_staleness" in m else None,
         )

@@ -29,12 +29,14 @@ class LeaseBook:
         sampling: SamplingParams,
         ttl: float = 120.0,
         seed_base: int = 0,
+        max_staleness: int | None = None,
     ) -> None:
         self.task = task
         self.encode = encode  # prompt text -> token ids (with BOS)
         self.group_size = group_size
         self.sampling = sampling
         self.ttl = ttl
+        self.max_staleness = max_staleness
         self.next_seed = seed_base  # the buffer cursor: saved in checkpoints
         self._leases: dict[str, LeaseRecord] = {}
         self.issued = 0
@@ -46,7 +48,9 @@ class LeaseBook:
             seed = self.next_seed
             self.next_seed += 1
             tasks.append(TaskSpec(self.task.name, seed, self.encode(self.task.prompt(seed))))
-        lease = WorkLease(secrets.token_hex(8), version, self.group_size, self.sampling, tasks, self.ttl)
+        lease = WorkLease(
+            secrets.token_hex(8), version, self.group_size, self.sampling, tasks, self.ttl, self.max_staleness
+        )
         self._leases[lease.lease_id] = LeaseRecord(lease, peer, time.monotonic(), {t.seed for t in tasks})
         self.issued += 1
         return lease

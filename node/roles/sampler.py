@@ -59,6 +59,8 @@ class SamplerRole:
         self.rollouts_accepted = 0
         self.rollouts_rejected = 0
         self.rate_limited = 0
+        self.stale_waits = 0
+        self._installed = trio.Event()  # set (and replaced) whenever a version is installed
         self.last_error = ""
         self._engine_lock = trio.Lock()
 
@@ -71,6 +73,13 @@ class SamplerRole:
 
     async def install_version(self, version: int, path: Path) -> None:
         """First version: build the engine. Later ones: hot-swap, after any in-flight group finishes."""
+        try:
+            await self._install(version, path)
+        finally:
+            self._installed.set()
+            self._installed = trio.Event()
+
+    async def _install(self, version: int, path: Path) -> None:
         if self.engine is None:
             self.engine = await trio.to_thread.run_sync(self.engine_factory, path, version)
             self.engine_ready.set()
@@ -153,8 +162,28 @@ class SamplerRole:
                 continue
             backoff = 0.5
             for spec in lease.tasks:
+                if not await self._fresh_enough(lease):
+                    break  # the lease ran out while we waited for weights: ask for new work
                 group = await self.sample_group(lease, spec)
                 await self.submit(swarm, group)
+
+    def versions_behind(self, lease: WorkLease) -> int:
+        """How far this engine trails the newest version we know the trainer has (lease or announcements)."""
+        assert self.engine is not None
+        newest = max(lease.version, self.weights.target[0] if self.weights.target else -1)
+        return newest - self.engine.version
+
+    async def _fresh_enough(self, lease: WorkLease) -> bool:
+        """Don't sample what the trainer will refuse as stale: wait for newer weights (up to the lease's life)."""
+        if lease.max_staleness is None or self.versions_behind(lease) <= lease.max_staleness:
+            return True
+        self.stale_waits += 1
+        log.info("%d versions behind the trainer: waiting for weights before sampling", self.versions_behind(lease))
+        with trio.move_on_after(lease.expires_in):
+            while self.versions_behind(lease) > lease.max_staleness:
+                await self._installed.wait()
+            return True
+        return False
 
     async def sample_group(self, lease: WorkLease, spec: TaskSpec) -> RolloutGroup:
         """Generate one group on one engine version (the lock keeps a hot swap out until it finishes)."""
@@ -242,5 +271,6 @@ class SamplerRole:
             "rollouts_accepted": self.rollouts_accepted,
             "rollouts_rejected": self.rollouts_rejected,
             "rate_limited": self.rate_limited,
+            "stale_waits": self.stale_waits,
             **(self.weights.status() if hasattr(self, "weights") else {}),
         }

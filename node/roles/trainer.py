@@ -97,7 +97,10 @@ class TrainerRole:
         self.encode = lambda text: ([bos] if bos is not None else []) + self.tokenizer.encode(text)
         self.decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)
         sampling = SamplingParams(settings.temperature, settings.top_p, settings.max_tokens)
-        self.leases = LeaseBook(self.task, self.encode, settings.group_size, sampling, settings.lease_ttl)
+        self.leases = LeaseBook(
+            self.task, self.encode, settings.group_size, sampling, settings.lease_ttl,
+            max_staleness=settings.max_staleness,
+        )  # fmt: skip
         self.journal = RolloutJournal(data_dir / "journal")
         self.buffer = RolloutBuffer(journal=self.journal)
         self.groups_trained = 0
