@@ -168,7 +168,12 @@ def test_wan_faults_lose_nothing_and_every_sampler_converges(tmp_path, tiny_mode
         lab.partition(["sa"], ["na", "eu", "asia"])
         swarm.event("partition sa")
         held_during = {n: sc.version(n) for n in sa}
-        sc.pump(lambda: sc.trainer()["version"] >= v_cut + 3, 180, "the trainer to publish during the partition")
+        cut_at = time.time()
+        sc.pump(
+            lambda: sc.trainer()["version"] >= v_cut + 3 and time.time() - cut_at > 15,
+            180,
+            "the trainer to publish during a 15 s partition",
+        )
         for n in sa:
             assert sc.version(n) <= max(held_during[n], v_cut), "nothing crosses a partition"
         lab.heal()

@@ -346,6 +346,7 @@ class TrainerRole:
             "rollouts_accepted": self.buffer.accepted,
             "groups_buffered": len(self.buffer) + len(self._pending),
             **{k: v for k, v in self.ledger().items() if k.startswith("groups_")},
+            "accepted_by_peer": dict(self.buffer.accepted_by_peer),  # rollouts, per sampler peer id
             "groups_rejected": self.verifier.rejected,
             "groups_forged": self.verifier.forged,
             "stale_dropped": self.buffer.dropped_stale,

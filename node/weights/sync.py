@@ -37,6 +37,7 @@ class WeightSync:
         poll_interval: float = 5.0,
         keep_versions: int = 3,
         finish_fraction: float = 0.5,
+        stall_timeout: float = 10.0,
     ) -> None:
         self.swarm = swarm
         self.store = store
@@ -47,6 +48,8 @@ class WeightSync:
         self.poll_interval = poll_interval
         self.keep_versions = keep_versions
         self.finish_fraction = finish_fraction
+        self._cancelled_in_a_row = 0
+        self.stall_timeout = stall_timeout
         self.penalties = PeerPenalties()
         self.current: int = -1
         self.target: tuple[int, bytes, w.Manifest] | None = None
@@ -145,18 +148,29 @@ class WeightSync:
                     await download.run()
                     nursery.cancel_scope.cancel()
             if scope.cancelled_caught:
+                self._cancelled_in_a_row += 1
                 continue
+            self._cancelled_in_a_row = 0
             await self._activate(mid, manifest)
 
     async def _cancel_on_newer(self, download: Download, version: int, scope: trio.CancelScope) -> None:
         """A newer target cancels this download (chunks already stored are kept for the next one), unless it
-        is mostly done: on a slow link, a trainer that publishes faster than the link moves a version would
-        otherwise leave the node holding nothing usable, forever."""
+        is mostly done or the previous download was cancelled too: where the trainer publishes faster than a
+        link moves a version, cancelling every time would leave the node holding nothing usable, forever.
+        A download being finished that stops moving (its last chunks were garbage-collected everywhere) is
+        cancelled after ``stall_timeout`` seconds without progress."""
         await self._target_changed.wait()
-        if download.fraction_done() >= self.finish_fraction:
-            log.info("version %d is %.0f%% here: finishing it first", version, 100 * download.fraction_done())
+        if download.fraction_done() < self.finish_fraction and self._cancelled_in_a_row == 0:
+            scope.cancel()
             return
-        scope.cancel()
+        log.info("version %d is %.0f%% here: finishing it first", version, 100 * download.fraction_done())
+        while True:
+            left = len(download.missing)
+            await trio.sleep(self.stall_timeout)
+            if len(download.missing) == left:
+                log.warning("version %d stalled with %d chunks to go; moving on to the newest", version, left)
+                scope.cancel()
+                return
 
     async def _activate(self, mid: bytes, manifest: w.Manifest) -> None:
         path = await trio.to_thread.run_sync(self.store.assemble, manifest)

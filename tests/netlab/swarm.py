@@ -50,6 +50,7 @@ class WanSwarm:
     sampler_args: list[str] = field(default_factory=lambda: ["--engine", "mlx", "--bits", "none"])
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     timeline: list[tuple[float, str, int]] = field(default_factory=list)  # (t, sampler, weights version)
+    work: list[tuple[float, str, int]] = field(default_factory=list)  # (t, peer, rollouts accepted / flood refusals)
     events: list[tuple[float, str]] = field(default_factory=list)
     t0: float = field(default_factory=time.time)
 
@@ -121,12 +122,20 @@ class WanSwarm:
 
     def sample_timeline(self) -> None:
         t = time.time() - self.t0
+        trainer = self.status("trainer") if self.alive("trainer") else {}
+        by_peer = trainer.get("accepted_by_peer", {})
         for name in self.samplers():
             if self.alive(name):
-                self.timeline.append((t, name, int(self.status(name).get("weights_version", -1))))
-        trainer = self.status("trainer")
-        if self.alive("trainer") and "version" in trainer:
+                state = self.status(name)
+                self.timeline.append((t, name, int(state.get("weights_version", -1))))
+                if state.get("peer_id") in by_peer:
+                    self.work.append((t, name, int(by_peer[state["peer_id"]])))
+        if "version" in trainer:
             self.timeline.append((t, "trainer", int(trainer["version"])))
+        flood = self.status("flood") if self.alive("flood") else {}
+        if flood.get("replies"):
+            self.work.append((t, "flood (refused)", int(flood["replies"].get("rate_limited", 0))))
+            self.work.append((t, "flood (let through)", int(flood["replies"].get("schema", 0))))
 
     def store_progress(self, name: str) -> tuple[int, int] | None:
         """(chunks held, chunks needed) for the newest manifest a node has, read from its store on disk."""
@@ -152,29 +161,42 @@ class WanSwarm:
 
 
 def plot_timeline(swarm: WanSwarm, path: Path, title: str) -> None:
-    """Every sampler's weights version over time (trainer's published version in black), events marked."""
+    """Top: every sampler's weights version over time (the trainer's published version in black), events marked.
+    Bottom: rollouts the trainer accepted from each sampler, and the flooder's requests refused / let through."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(11, 5.5))
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(11, 9), sharex=True, height_ratios=[3, 2])
     names = sorted({n for _, n, _ in swarm.timeline}, key=lambda n: (n != "trainer", len(n), n))
+    colors = {n: f"C{i}" for i, n in enumerate(n for n in names if n != "trainer")}
     for name in names:
         pts = [(t, v) for t, n, v in swarm.timeline if n == name]
         style = dict(color="black", linewidth=2.5, label="trainer (published)") if name == "trainer" else dict(
-            linewidth=1.2, alpha=0.85, label=f"{name} ({swarm.lab.hosts[name].region})"
+            color=colors[name], linewidth=1.2, alpha=0.85, label=f"{name} ({swarm.lab.hosts[name].region})"
         )
         ax.step([p[0] for p in pts], [p[1] for p in pts], where="post", **style)
     for t, what in swarm.events:
         if what.startswith("start s") and "(" not in what:
             continue
-        ax.axvline(t, color="grey", linestyle=":", linewidth=0.8)
+        for a in (ax, ax2):
+            a.axvline(t, color="grey", linestyle=":", linewidth=0.8)
         ax.text(t, ax.get_ylim()[1], what, rotation=90, fontsize=7, va="top", ha="right")
-    ax.set_xlabel("seconds")
     ax.set_ylabel("policy version held")
     ax.set_title(title)
     ax.legend(fontsize=7, ncol=2, loc="lower right")
+    for name in sorted({n for _, n, _ in swarm.work}, key=lambda n: (n.startswith("flood"), len(n), n)):
+        pts = [(t, v) for t, n, v in swarm.work if n == name]
+        if name.startswith("flood"):
+            style = dict(color="red", linestyle="--" if "refused" in name else "-", linewidth=2, label=name)
+        else:
+            style = dict(color=colors.get(name), linewidth=1.2, label=name)
+        ax2.step([p[0] for p in pts], [p[1] for p in pts], where="post", **style)
+    ax2.set_yscale("symlog", linthresh=10)
+    ax2.set_xlabel("seconds")
+    ax2.set_ylabel("rollouts accepted / flood requests")
+    ax2.legend(fontsize=7, ncol=3, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
