@@ -147,3 +147,33 @@ async def test_download_killed_midway_resumes_from_what_is_on_disk(tmp_path, tin
         out = restarted.assemble(manifest)
         assert (out / "model.safetensors").read_bytes() == (tiny_model_dir / "model.safetensors").read_bytes()
         nursery.cancel_scope.cancel()
+
+
+async def test_a_download_that_stalls_is_abandoned_for_the_newest_version(tmp_path, tiny_model_dir):
+    """The last chunks of a mostly-done version vanish everywhere (garbage-collected): the sampler must not wait
+    for them forever, but move on to the newer version once the download stops moving."""
+    async with trio.open_nursery() as nursery:
+        boot = await start_bootstrap(nursery, tmp_path)
+        trainer = await start_trainer(nursery, tmp_path, boot, tiny_model_dir, role_kw={"chunk_size": 4 << 10})
+        await wait_until(lambda: trainer.role.published is not None, timeout=30)
+        _, _, m0 = trainer.role.store.latest()
+        weights = next(f for f in m0.files if f.path == "model.safetensors").chunks
+        gone = weights[len(weights) // 2 : len(weights) // 2 + 3]  # tensor data, not the (shared) header
+        for h in gone:
+            trainer.role.store._chunk_path(h).unlink()
+            trainer.role.store._present.discard(h)
+        sampler = await start_sampler(nursery, tmp_path, "s0", boot, engine="torch")
+        sampler.role.weights.stall_timeout = 1.0
+        await wait_until(
+            lambda: sampler.role.weights.download is not None and sampler.role.weights.download.fraction_done() > 0.9,
+            timeout=60,
+        )
+        await trio.sleep(1.0)
+        assert sampler.role.engine is None  # version 0 can never complete
+        with torch.no_grad():
+            for p in trainer.role.model.parameters():
+                p.mul_(1.01)
+        trainer.role.version = 1
+        await trainer.role.publish()
+        await wait_until(lambda: sampler.role.engine is not None and sampler.role.engine.version == 1, timeout=30)
+        nursery.cancel_scope.cancel()
