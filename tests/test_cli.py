@@ -75,33 +75,30 @@ def read_status(d: Path) -> dict:
         return {}
 
 
-@pytest.mark.slow
-def test_swarm_of_separate_processes(tmp_path, tiny_model_dir):
+def process_swarm(tmp_path: Path, swarm: str, model_dir: Path):
+    """Keys and a bootstrap.toml for a swarm of `swarmrl node` processes on loopback, and a function that starts
+    one (logs appended to <tmp_path>/<name>.log). Returns (bootstrap port, trainer peer id, spawn)."""
     port = free_port()
     boot_id = peer_id_of(load_or_create_key(tmp_path / "boot" / "identity.key"))
     trainer_id = peer_id_of(load_or_create_key(tmp_path / "trainer" / "identity.key"))
     cfg = tmp_path / "bootstrap.toml"
-    write_config_file(cfg, "proc", [f"/ip4/127.0.0.1/tcp/{port}/p2p/{boot_id}"], str(trainer_id))
-    common = [
-        "--config",
-        str(cfg),
-        "--provide-interval",
-        "2",
-        "--model",
-        str(tiny_model_dir),
-        "--status-interval",
-        "0.5",
-    ]
+    write_config_file(cfg, swarm, [f"/ip4/127.0.0.1/tcp/{port}/p2p/{boot_id}"], str(trainer_id))
+    common = ["--config", str(cfg), "--provide-interval", "2", "--model", str(model_dir), "--status-interval", "0.5"]
 
     def spawn(role: str, name: str, *extra: str) -> subprocess.Popen:
-        log = open(tmp_path / f"{name}.log", "w")
         return subprocess.Popen(
             [*CLI, "node", "--role", role, "--data-dir", str(tmp_path / name), *common, *extra],
             cwd=tmp_path,
-            stdout=log,
+            stdout=open(tmp_path / f"{name}.log", "a"),
             stderr=subprocess.STDOUT,
         )
 
+    return port, trainer_id, spawn
+
+
+@pytest.mark.slow
+def test_swarm_of_separate_processes(tmp_path, tiny_model_dir):
+    port, trainer_id, spawn = process_swarm(tmp_path, "proc", tiny_model_dir)
     procs = [spawn("bootstrap", "boot", "--listen", f"/ip4/127.0.0.1/tcp/{port}")]
     try:
         time.sleep(2)

@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import time
 
 import pytest
 import trio
 
-from node.config import write_config_file
-from node.identity import load_or_create_key, peer_id_of
 from tests.swarm_helpers import start_bootstrap, start_sampler, start_trainer, wait_until
-from tests.test_cli import CLI, free_port, read_status
+from tests.test_cli import process_swarm, read_status
 from trainer.checkpoint import load_checkpoint
 from trainer.metrics import read_jsonl
 
@@ -52,31 +49,7 @@ async def test_short_swarm_run_beats_the_untrained_model(tmp_path, tiny_model_di
 
 @pytest.mark.slow
 def test_killed_trainer_resumes_and_samplers_reconnect(tmp_path, tiny_model_dir):
-    port = free_port()
-    boot_id = peer_id_of(load_or_create_key(tmp_path / "boot" / "identity.key"))
-    trainer_id = peer_id_of(load_or_create_key(tmp_path / "trainer" / "identity.key"))
-    cfg = tmp_path / "bootstrap.toml"
-    write_config_file(cfg, "resume", [f"/ip4/127.0.0.1/tcp/{port}/p2p/{boot_id}"], str(trainer_id))
-    common = [
-        "--config",
-        str(cfg),
-        "--provide-interval",
-        "2",
-        "--model",
-        str(tiny_model_dir),
-        "--status-interval",
-        "0.5",
-    ]
-
-    def spawn(role, name, *extra):
-        log = open(tmp_path / f"{name}.log", "a")
-        return subprocess.Popen(
-            [*CLI, "node", "--role", role, "--data-dir", str(tmp_path / name), *common, *extra],
-            cwd=tmp_path,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-
+    port, _, spawn = process_swarm(tmp_path, "resume", tiny_model_dir)
     trainer_args = (
         "--listen",
         "/ip4/127.0.0.1/tcp/0",

@@ -104,14 +104,20 @@ def test_int8_encoding_downloads_a_byte_per_parameter(tmp_path, tiny_model_dir):
     assert all(t.dtype == "F32" for t in tensors)
 
 
-def test_gc_keeps_newest_versions_and_shared_chunks(publisher, tiny_model_dir):
-    pub, _ = publisher
-    model = load_model(tiny_model_dir)
+def publish_versions(pub: Publisher, model_dir, n: int) -> list:
+    """Publish ``n`` versions, each changing one tensor: [(manifest id, signed, manifest), ...]."""
+    model = load_model(model_dir)
     metas = []
-    for v in range(4):
+    for v in range(n):
         with torch.no_grad():
             model.model.layers[0].mlp.up_proj.weight.mul_(1.01)
         metas.append(pub.publish(model, v))
+    return metas
+
+
+def test_gc_keeps_newest_versions_and_shared_chunks(publisher, tiny_model_dir):
+    pub, _ = publisher
+    metas = publish_versions(pub, tiny_model_dir, 4)
     pub.store.gc(keep=2)
     assert pub.store.manifest(metas[0][0]) is None and pub.store.manifest(metas[3][0]) is not None
     assert not pub.store.missing(metas[2][2]) and not pub.store.missing(metas[3][2])
@@ -122,12 +128,7 @@ def test_gc_keeps_newest_versions_and_shared_chunks(publisher, tiny_model_dir):
 def test_gc_never_drops_the_last_complete_version_for_newer_partial_ones(publisher, tiny_model_dir, tmp_path):
     """A sampler that heard of three newer versions while holding one must still restart from that one."""
     pub, _ = publisher
-    model = load_model(tiny_model_dir)
-    metas = []
-    for v in range(5):
-        with torch.no_grad():
-            model.model.layers[0].mlp.up_proj.weight.mul_(1.01)
-        metas.append(pub.publish(model, v))
+    metas = publish_versions(pub, tiny_model_dir, 5)
     mine = ChunkStore(tmp_path / "sampler")
     for _, signed, manifest in metas:
         mine.add_manifest(signed, manifest)
