@@ -20,6 +20,9 @@ from protocols.messages import error_reply, raise_if_error
 
 log = logging.getLogger(__name__)
 
+# refusals that are part of normal operation (backpressure; asking for a version this peer does not hold)
+QUIET_CODES = frozenset({"rate_limited", "not_found"})
+
 Handler = Callable[[dict[str, Any], ID], Awaitable[dict[str, Any]]]
 
 
@@ -36,7 +39,7 @@ def serve(name: str, handler: Handler, max_request: int, max_reply: int, timeout
                 except PeerClosed:
                     return
                 except ProtocolError as exc:
-                    level = logging.DEBUG if exc.code == "rate_limited" else logging.WARNING  # backpressure, not abuse
+                    level = logging.DEBUG if exc.code in QUIET_CODES else logging.WARNING
                     log.log(level, "%s: rejected input from %s: %s", name, remote, exc)
                     reply = error_reply(exc.code, str(exc), getattr(exc, "retry_after", None))
                 await write_message(stream, reply, max_reply)
