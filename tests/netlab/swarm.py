@@ -170,7 +170,9 @@ def plot_timeline(swarm: WanSwarm, path: Path, title: str) -> None:
 
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(11, 9), sharex=True, height_ratios=[3, 2])
     names = sorted({n for _, n, _ in swarm.timeline}, key=lambda n: (n != "trainer", len(n), n))
-    colors = {n: f"C{i}" for i, n in enumerate(n for n in names if n != "trainer")}
+    peers = [n for n in names if n != "trainer"]
+    palette = plt.get_cmap("tab10" if len(peers) <= 10 else "tab20")
+    colors = {n: palette(i % palette.N) for i, n in enumerate(peers)}
     for name in names:
         pts = [(t, v) for t, n, v in swarm.timeline if n == name]
         style = dict(color="black", linewidth=2.5, label="trainer (published)") if name == "trainer" else dict(
