@@ -343,13 +343,10 @@ class TrainerRole:
                 if k in ("reward", "eval_reward", "eval_accuracy", "busy_fraction")
             },
             "leases_issued": self.leases.issued,
-            "rollouts_accepted": self.buffer.accepted,
+            **self.ledger(),  # rollouts and groups accepted (per peer too), and every accepted group's fate
             "groups_buffered": len(self.buffer) + len(self._pending),
-            **{k: v for k, v in self.ledger().items() if k.startswith("groups_")},
-            "accepted_by_peer": dict(self.buffer.accepted_by_peer),  # rollouts, per sampler peer id
             "groups_rejected": self.verifier.rejected,
             "groups_forged": self.verifier.forged,
-            "stale_dropped": self.buffer.dropped_stale,
             "banned": len(self.verifier.peers.banned),
             "rate_limited": sum(self.rollout_limit.refused.values()) + sum(self.work_limit.refused.values()),
             "bytes_uploaded": self.weight_server.bytes_served,
