@@ -60,7 +60,7 @@ class Download:
         penalties: PeerPenalties,
         *,
         workers_per_peer: int = 1,
-        batch: int = 4,
+        batch: int = w.MAX_CHUNKS_PER_REQUEST,
         have_interval: float = 0.5,
         request_timeout: float = 20.0,
     ) -> None:
@@ -75,11 +75,11 @@ class Download:
         # Replies stay <= ~1 MiB: py-libp2p's yamux can deadlock when two peers push big replies to each
         # other over one connection (each read loop blocks writing a window update); small replies keep
         # that rare, and the request timeout below breaks it when it happens.
-        # (tensor-aligned chunks are often far below chunk_size: batch by their mean size, so each request on a
-        # long-RTT path carries up to ~1 MiB rather than a few small tensors)
+        # Tensor-aligned chunks are often far below chunk_size, so size requests by a generous guess at a typical
+        # chunk (4x the mean, at most chunk_size): on a long-RTT path each request then carries ~1 MiB.
         mean_chunk = max(1, manifest.total_size // max(1, len(manifest.all_chunks())))
-        self.batch = max(1, min(max(batch, (1 << 20) // mean_chunk), w.MAX_CHUNKS_PER_REQUEST,
-                                (1 << 20) // min(manifest.chunk_size, 4 * mean_chunk)))  # fmt: skip
+        typical = min(manifest.chunk_size, 4 * mean_chunk)
+        self.batch = max(1, min(batch, w.MAX_CHUNKS_PER_REQUEST, (1 << 20) // typical))
         self.have_interval = have_interval
         self.request_timeout = request_timeout
         self.chunks = manifest.all_chunks()
