@@ -33,20 +33,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from node.config import write_config_file
 from node.identity import load_or_create_key, peer_id_of
-from tests.netlab.swarm import ACCESS, REGIONS, wan_links
+from tests.netlab.swarm import ACCESS, PORT, REGIONS, status_of, wan_links
 from tests.netlab.topology import Lab, lab_unavailable, wait_for
 from trainer.tiny_model import build_tiny_model
 
 console = Console()
 RESULTS = Path(__file__).resolve().parent / "results"
-PORT = 4001
 
 
 def status(root: Path, name: str) -> dict:
-    try:
-        return json.loads((root / name / "status.json").read_text())
-    except (OSError, ValueError):
-        return {}
+    return status_of(root / name)
 
 
 def main() -> int:

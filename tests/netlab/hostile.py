@@ -10,7 +10,6 @@ concurrent streams, counting the replies by error code.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import msgpack
 import multiaddr
 import trio
 
+from node.cli import setup_logging
 from node.config import NodeConfig, load_config_file
 from node.discovery import find_role, provide_forever, role_key
 from node.host import Swarm
@@ -29,8 +29,6 @@ from node.weights.store import ChunkStore
 from node.weights.sync import WeightSync
 from protocols import rollouts
 from protocols.errors import RemoteError
-
-log = logging.getLogger("hostile")
 
 
 class LyingStore:
@@ -129,9 +127,7 @@ def main() -> None:
     p.add_argument("--data-dir", type=Path, required=True)
     p.add_argument("--listen", required=True)
     args = p.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("libp2p", "multiaddr"):
-        logging.getLogger(noisy).setLevel(logging.CRITICAL)
+    setup_logging(verbose=False)
     config = NodeConfig(
         role="sampler",
         data_dir=args.data_dir,

@@ -7,7 +7,6 @@ and reads their status files; a timeline of every sampler's weights version is k
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 
 from node.config import write_config_file
 from node.identity import load_or_create_key, peer_id_of
+from node.status import read_status
 from tests.netlab.topology import Lab, Link
 
 REGIONS = ("na", "eu", "asia", "sa")
@@ -32,6 +32,14 @@ _RTT = {
 ACCESS = [(100, 40), (50, 20), (200, 100), (30, 20), (20, 20), (150, 50), (60, 30), (40, 20)]
 TRAINER_LINK = (200, 200)
 PORT = 4001
+
+
+def status_of(data_dir: Path) -> dict:
+    """A node's status.json, or {} while it has not written one (or is mid-write)."""
+    try:
+        return read_status(data_dir)
+    except (OSError, ValueError):
+        return {}
 
 
 def wan_links(jitter_frac: float = 0.05, loss: float = 0.001) -> list[Link]:
@@ -109,10 +117,7 @@ class WanSwarm:
         self.events.append((time.time() - self.t0, what))
 
     def status(self, name: str) -> dict:
-        try:
-            return json.loads((self.root / name / "status.json").read_text())
-        except (OSError, ValueError):
-            return {}
+        return status_of(self.root / name)
 
     def alive(self, name: str) -> bool:
         return name in self.procs and self.procs[name].poll() is None
@@ -175,8 +180,10 @@ def plot_timeline(swarm: WanSwarm, path: Path, title: str) -> None:
     colors = {n: palette(i % palette.N) for i, n in enumerate(peers)}
     for name in names:
         pts = [(t, v) for t, n, v in swarm.timeline if n == name]
-        style = dict(color="black", linewidth=2.5, label="trainer (published)") if name == "trainer" else dict(
-            color=colors[name], linewidth=1.2, alpha=0.85, label=f"{name} ({swarm.lab.hosts[name].region})"
+        style = (
+            dict(color="black", linewidth=2.5, label="trainer (published)")
+            if name == "trainer"
+            else dict(color=colors[name], linewidth=1.2, alpha=0.85, label=f"{name} ({swarm.lab.hosts[name].region})")
         )
         ax.step([p[0] for p in pts], [p[1] for p in pts], where="post", **style)
     for t, what in swarm.events:
