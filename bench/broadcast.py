@@ -11,6 +11,7 @@ trainer's upload for each N, and the ratios naive/swarm; writes bench/results/br
 from __future__ import annotations
 
 import argparse
+import shutil
 import time
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -25,13 +26,13 @@ from rich.table import Table
 
 from node.host import open_swarm
 from node.rpc import serve
-from node.weights.fetcher import Download, PeerPenalties
+from node.strikes import Strikes
+from node.weights.fetcher import Download
+from node.weights.publish import Publisher
 from node.weights.server import WeightServer
 from node.weights.store import ChunkStore
 from protocols import weights as w
-from trainer.policy import load_model
-from trainer.publish import Publisher
-from trainer.tiny_model import build_tiny_model
+from trainer.base_model import build_base_model
 
 console = Console()
 LOOPBACK = multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")
@@ -63,7 +64,7 @@ async def deliver(root: Path, trainer_store: ChunkStore, n: int, swarming: bool,
     mid, signed, manifest = trainer_store.latest()
     async with AsyncExitStack() as stack:
         trainer = await stack.enter_async_context(open_swarm(create_new_key_pair(), LOOPBACK))
-        server = WeightServer(trainer_store, super_seed=swarming)
+        server = WeightServer(trainer_store, origin=swarming)
         handler = Uplink(mbps).wrap(server.handle) if mbps else server.handle
         trainer.host.set_stream_handler(w.PROTOCOL_ID, serve("w", handler, 1 << 16, w.MAX_REPLY_FRAME, 30))
         nodes = []
@@ -84,7 +85,7 @@ async def deliver(root: Path, trainer_store: ChunkStore, n: int, swarming: bool,
         async with trio.open_nursery() as nursery:
             for sw, store in nodes:
                 others = [o.peer_id for o, _ in nodes if o is not sw] if swarming else []
-                d = Download(sw.host, store, manifest, mid, trainer.peer_id, lambda o=others: o, PeerPenalties())
+                d = Download(sw.host, store, manifest, mid, trainer.peer_id, lambda o=others: o, Strikes(2))
                 nursery.start_soon(d.run)
         elapsed = time.perf_counter() - t0
         for _, store in nodes:
@@ -97,10 +98,11 @@ async def main(mb: int, ns: list[int], mbps: float) -> None:
         root = Path(tmp)
         hidden = 256 if mb <= 8 else 512
         layers = max(1, round(mb * 1e6 / (4 * 12 * hidden * hidden)))
-        model_dir = build_tiny_model(root / "model", layers=layers, hidden=hidden)
+        model_dir = build_base_model(root / "model", layers=layers, hidden=hidden)
         store = ChunkStore(root / "trainer")
         key = create_new_key_pair()
-        _, _, manifest = Publisher(store, key, "bench", model_dir).publish(load_model(model_dir), 0)
+        staging = shutil.copytree(model_dir, root / "staging")  # the base model dir is what version 0 ships
+        _, _, manifest = Publisher(store, key, "bench").publish(staging, 0)
         size = manifest.total_size
         console.print(f"version size {size / 1e6:.1f} MB in {len(manifest.all_chunks())} chunks")
         rows = []

@@ -1,18 +1,18 @@
 """bench/wan: how long a new policy version takes to reach every sampler across an emulated WAN.
 
-A lab of network namespaces (tests/netlab): the trainer's seed in a datacenter with a capped uplink, N
+A lab of network namespaces (bench/netlab): the trainer (the origin) in a datacenter with a capped uplink, N
 samplers over four regions (20-250 ms RTT, jitter, 0.1% loss between regions; 20-200 Mbit/s access links).
 Every node is a separate process running the product's weight stack (bench/wan_node.py). Each round the
-seed publishes a version in which every weight chunk is new; rounds alternate between swarming (samplers
-fetch rarest-first from everyone) and the naive baseline (each sampler fetches from the seed alone).
+origin publishes a version in which every weight chunk is new; rounds alternate between swarming (samplers
+fetch rarest-first from everyone) and the naive baseline (each sampler fetches from the origin alone).
 
 Prints, per mode, the time from publish to the last sampler holding the version, against the ideal
-T* = max(S/U_seed, S/min(D_i), N*S/(U_seed + sum u_i)) (no protocol can beat the slowest downlink, the seed's
+T* = max(S/U_origin, S/min(D_i), N*S/(U_origin + sum u_i)) (no protocol can beat the slowest downlink, the origin's
 uplink, or the swarm's total upload), as ratios; writes bench/results/wan.txt and wan.png. Needs root.
 On a 2-core machine the 13 processes keep both cores busy during a swarm round (Noise and yamux run in
 Python), so part of the swarm's gap to the ideal is CPU time, not link time.
 
-    sudo .venv/bin/python bench/wan.py [--samplers 12] [--seed-mbps 100] [--rounds 2]
+    sudo .venv/bin/python bench/wan.py [--samplers 12] [--origin-mbps 100] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.netlab.swarm import ACCESS, PORT, REGIONS, status_of, wan_links
+from bench.netlab.topology import Lab, lab_unavailable, wait_for
 from node.config import write_config_file
 from node.identity import load_or_create_key, peer_id_of
-from tests.netlab.swarm import ACCESS, PORT, REGIONS, status_of, wan_links
-from tests.netlab.topology import Lab, lab_unavailable, wait_for
-from trainer.tiny_model import build_tiny_model
+from trainer.base_model import build_base_model
 
 console = Console()
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -48,7 +48,7 @@ def status(root: Path, name: str) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samplers", type=int, default=12)
-    ap.add_argument("--seed-mbps", type=float, default=100.0, help="the trainer's uplink (and downlink)")
+    ap.add_argument("--origin-mbps", type=float, default=100.0, help="the trainer's uplink (and downlink)")
     ap.add_argument("--rounds", type=int, default=2, help="versions per mode")
     ap.add_argument("--layers", type=int, default=4, help="size of the model shipped (tiny Qwen2, hidden 256)")
     args = ap.parse_args()
@@ -58,16 +58,18 @@ def main() -> int:
         return 2
     with TemporaryDirectory(prefix="swarmrl-wan-") as tmp:
         root = Path(tmp)
-        model = build_tiny_model(root / "model", layers=args.layers, hidden=256)
+        model = build_base_model(root / "model", layers=args.layers, hidden=256)
         lab = Lab(root / "lab", wan_links())
-        lab.add_host("seed", "na", args.seed_mbps, args.seed_mbps)
+        lab.add_host("origin", "na", args.origin_mbps, args.origin_mbps)
         names = [f"s{i}" for i in range(args.samplers)]
         for i, name in enumerate(names):
             down, up = ACCESS[i % len(ACCESS)]
             lab.add_host(name, REGIONS[i % len(REGIONS)], up, down)
-        seed_id = peer_id_of(load_or_create_key(root / "seed" / "identity.key"))
+        origin_id = peer_id_of(load_or_create_key(root / "origin" / "identity.key"))
         config = root / "bootstrap.toml"
-        write_config_file(config, "wanbench", [f"/ip4/{lab.hosts['seed'].ip}/tcp/{PORT}/p2p/{seed_id}"], str(seed_id))
+        write_config_file(
+            config, "wanbench", [f"/ip4/{lab.hosts['origin'].ip}/tcp/{PORT}/p2p/{origin_id}"], str(origin_id)
+        )
 
         def argv(role: str, name: str) -> list[str]:
             return [
@@ -78,13 +80,13 @@ def main() -> int:
 
         rows: list[tuple[str, int, float, list[float]]] = []
         with lab:
-            lab.popen("seed", argv("seed", "seed"), root / "seed.log")
-            wait_for(lambda: status(root, "seed").get("version") == 0, 120, what="the seed's first version")
+            lab.popen("origin", argv("origin", "origin"), root / "origin.log")
+            wait_for(lambda: status(root, "origin").get("version") == 0, 120, what="the origin's first version")
             for name in names:
                 lab.popen(name, argv("fetch", name), root / f"{name}.log", nice=5)
             size = json.loads((root / "published.json").read_text())["0"]["bytes"]
             console.print(
-                f"{args.samplers} samplers in {len(REGIONS)} regions, seed uplink {args.seed_mbps:.0f} Mbit/s, "
+                f"{args.samplers} samplers in {len(REGIONS)} regions, origin uplink {args.origin_mbps:.0f} Mbit/s, "
                 f"version size {size / 1e6:.1f} MB"
             )
             with console.status("samplers join and fetch version 0 (warm-up)"):
@@ -95,26 +97,26 @@ def main() -> int:
                 for version, mode in enumerate(modes, start=1):
                     (root / "mode").write_text(mode)
                     (root / "publish").touch()
-                    up0 = status(root, "seed").get("bytes_uploaded", 0)
+                    up0 = status(root, "origin").get("bytes_uploaded", 0)
                     wait_for(
                         lambda v=version: all(str(v) in status(root, n).get("got", {}) for n in names),
                         600,
                         what=f"version {version} ({mode})",
                     )
-                    time.sleep(1.0)  # let the seed's status catch up with its upload counter
+                    time.sleep(1.0)  # let the origin's status catch up with its upload counter
                     published = json.loads((root / "published.json").read_text())[str(version)]
                     arrivals = sorted(status(root, n)["got"][str(version)] - published["time"] for n in names)
-                    uploaded = status(root, "seed").get("bytes_uploaded", 0) - up0
+                    uploaded = status(root, "origin").get("bytes_uploaded", 0) - up0
                     rows.append((mode, uploaded, arrivals[-1], arrivals))
                     progress.advance(bar)
     n, s = args.samplers, size
-    seed_bps = args.seed_mbps * 1e6 / 8
+    origin_bps = args.origin_mbps * 1e6 / 8
     downs = [ACCESS[i % len(ACCESS)][0] * 1e6 / 8 for i in range(n)]
     ups = [ACCESS[i % len(ACCESS)][1] * 1e6 / 8 for i in range(n)]
-    ideal = max(s / seed_bps, s / min(downs), n * s / (seed_bps + sum(ups)))
-    naive_ideal = max(n * s / seed_bps, s / min(downs))
+    ideal = max(s / origin_bps, s / min(downs), n * s / (origin_bps + sum(ups)))
+    naive_ideal = max(n * s / origin_bps, s / min(downs))
     table = Table(title=f"bench/wan: one {s / 1e6:.1f} MB version to {n} samplers")
-    for col in ("mode", "time to all (s)", "median (s)", "seed upload (x model)", "ratio to ideal"):
+    for col in ("mode", "time to all (s)", "median (s)", "origin upload (x model)", "ratio to ideal"):
         table.add_column(col)
     lines = []
     for mode in ("swarm", "naive"):
@@ -123,23 +125,28 @@ def main() -> int:
         med = statistics.mean(statistics.median(r[3]) for r in mine)
         upload = statistics.mean(r[1] for r in mine) / s
         table.add_row(mode, f"{t_all:.2f}", f"{med:.2f}", f"{upload:.2f}", f"{t_all / ideal:.2f}")
-        lines.append(f"{mode}: time to all {t_all:.2f} s, median {med:.2f} s, seed upload {upload:.2f}x, "
+        lines.append(f"{mode}: time to all {t_all:.2f} s, median {med:.2f} s, origin upload {upload:.2f}x, "
                      f"{t_all / ideal:.2f}x ideal")  # fmt: skip
     console.print(table)
     t_swarm = statistics.mean(r[2] for r in rows if r[0] == "swarm")
     t_naive = statistics.mean(r[2] for r in rows if r[0] == "naive")
     summary = (
-        f"ideal T* = {ideal:.2f} s (S/U_seed {s / seed_bps:.2f}, S/min D {s / min(downs):.2f}, "
-        f"NS/(U+sum u) {n * s / (seed_bps + sum(ups)):.2f}); naive bound {naive_ideal:.2f} s\n"
+        f"ideal T* = {ideal:.2f} s (S/U_origin {s / origin_bps:.2f}, S/min D {s / min(downs):.2f}, "
+        f"NS/(U+sum u) {n * s / (origin_bps + sum(ups)):.2f}); naive bound {naive_ideal:.2f} s\n"
         f"swarm / ideal = {t_swarm / ideal:.2f}    naive / swarm = {t_naive / t_swarm:.2f}"
     )
     console.print(summary)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "wan.txt").write_text(
-        f"bench/wan: {n} samplers, seed {args.seed_mbps:.0f} Mbit/s, version {s / 1e6:.1f} MB, "
+        f"bench/wan: {n} samplers, origin {args.origin_mbps:.0f} Mbit/s, version {s / 1e6:.1f} MB, "
         f"{args.rounds} rounds per mode\n" + "\n".join(lines) + "\n" + summary + "\n"
     )
-    plot(rows, ideal, RESULTS / "wan.png", f"{n} samplers, {s / 1e6:.1f} MB version, seed {args.seed_mbps:.0f} Mbit/s")
+    plot(
+        rows,
+        ideal,
+        RESULTS / "wan.png",
+        f"{n} samplers, {s / 1e6:.1f} MB version, origin {args.origin_mbps:.0f} Mbit/s",
+    )
     console.print(f"wrote {RESULTS / 'wan.txt'} and {RESULTS / 'wan.png'}")
     return 0
 

@@ -1,10 +1,10 @@
 """One node of bench/wan, run inside a lab namespace: the product's weight stack without sampling or training.
 
-``seed``: the trainer's side: publishes the model as version 0, then a new version (every tensor perturbed,
+``origin``: the trainer's side: publishes the model as version 0, then a new version (every tensor perturbed,
 so every weight chunk is new) each time the driver writes ``<root>/publish``; super-seeds and announces by
 gossip, exactly as the trainer role does. ``fetch``: a sampler's side: a real WeightSync (gossip, signed
 manifests, rarest-first chunk swarming), discovery through the DHT, and a record of when each version
-became usable. In ``naive`` mode (``<root>/mode`` says so) a fetcher downloads from the seed alone.
+became usable. In ``naive`` mode (``<root>/mode`` says so) a fetcher downloads from the origin alone.
 """
 
 from __future__ import annotations
@@ -26,21 +26,21 @@ from node.discovery import find_role, provide_forever, role_key
 from node.host import Swarm
 from node.runtime import run_node
 from node.weights.gossip import announce_topic
+from node.weights.publish import Publisher
 from node.weights.server import WeightServer
 from node.weights.store import ChunkStore
 from node.weights.sync import WeightSync
 from protocols import weights as w
-from trainer.policy import load_model
-from trainer.publish import Publisher
+from trainer.model import load_model, save_model_dir
 
 
-class Seed:
+class Origin:
     name = "trainer"
 
     def __init__(self, config: NodeConfig, model_dir: Path, root: Path) -> None:
         self.config, self.model_dir, self.root = config, model_dir, root
         self.store = ChunkStore(config.data_dir / "store")
-        self.server = WeightServer(self.store, super_seed=True)
+        self.server = WeightServer(self.store, origin=True)
         self.model = load_model(model_dir)
         self.version = -1
         self.published: dict[int, dict[str, Any]] = {}
@@ -48,18 +48,20 @@ class Seed:
     def register(self, swarm: Swarm) -> None:
         self.server.register(swarm.host)
         key = KeyPair(swarm.host.get_private_key(), swarm.host.get_public_key())
-        self.publisher = Publisher(self.store, key, self.config.swarm, self.model_dir)
+        self.publisher = Publisher(self.store, key, self.config.swarm)
 
     async def publish(self, swarm: Swarm) -> None:
         version = self.version + 1
         mode = self.root / "mode"
         # the naive baseline gets a plain server: super-seeding only pays when peers re-serve
-        self.server.super_seed = not (mode.exists() and mode.read_text() == "naive")
+        self.server.origin = not (mode.exists() and mode.read_text() == "naive")
         if version:
             with torch.no_grad():
                 for p in self.model.parameters():
                     p.add_(torch.randn_like(p) * 1e-3)
-        mid, _, manifest = await trio.to_thread.run_sync(self.publisher.publish, self.model, version)
+        staging = self.publisher.staging_dir(version)
+        await trio.to_thread.run_sync(save_model_dir, self.model, staging, self.model_dir)
+        mid, _, manifest = await trio.to_thread.run_sync(self.publisher.publish, staging, version)
         self.published[version] = {"time": time.time(), "bytes": manifest.total_size}
         (self.root / "published.json").write_text(json.dumps(self.published))
         self.version, self.mid = version, mid
@@ -128,7 +130,7 @@ class Fetcher:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("role", choices=["seed", "fetch"])
+    p.add_argument("role", choices=["origin", "fetch"])
     p.add_argument("--config", type=Path, required=True)
     p.add_argument("--data-dir", type=Path, required=True)
     p.add_argument("--listen", required=True)
@@ -144,7 +146,7 @@ def main() -> None:
         status_interval=0.5,
         **load_config_file(args.config),
     )
-    role = Seed(config, args.model, args.root) if args.role == "seed" else Fetcher(config, args.root)
+    role = Origin(config, args.model, args.root) if args.role == "origin" else Fetcher(config, args.root)
     trio.run(run_node, config, role)
 
 

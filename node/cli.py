@@ -9,10 +9,11 @@ from pathlib import Path
 
 import trio
 
-from node.config import ROLES, NodeConfig, load_config_file, parse_multiaddr, parse_peer_id
+from node.config import ROLES, NodeConfig, parse_multiaddr, parse_peer_id, read_config_file, swarm_values
 from node.errors import UserError
 from node.identity import load_or_create_key, peer_id_of
 from node.private import load_swarm_key, write_swarm_key
+from node.settings import Settings, add_flags, build_settings, parse_tables
 
 log = logging.getLogger("swarmrl")
 
@@ -40,40 +41,23 @@ def add_node_args(p: argparse.ArgumentParser) -> None:
         "--allow", action="append", default=None, metavar="PEER_ID", help="admit only these peers (repeatable)"
     )
     p.add_argument("--data-dir", type=Path, default=Path(".swarmrl"))
-    p.add_argument("--provide-interval", type=float, default=None)
+    p.add_argument("--provide-interval", type=float, default=None, help="seconds between DHT re-provides")
     p.add_argument("--bootstrap-timeout", type=float, default=None)
     p.add_argument("--status-interval", type=float, default=None, help="seconds between status.json writes")
-    p.add_argument("--model", type=Path, help="local HF checkpoint dir (default: the embedded tiny model)")
-    # sampler
-    p.add_argument("--engine", default="auto", choices=["auto", "mlx", "torch"])
-    p.add_argument("--bits", default="8", choices=["8", "4", "none"], help="MLX quantization")
-    # trainer
-    p.add_argument("--task", default="reverse", help="built-in task name or module:factory")
-    p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--max-staleness", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--batch-groups", type=int, default=16, help="groups per GRPO step")
-    p.add_argument("--max-steps", type=int, default=None)
-    p.add_argument("--linger", type=float, default=2.0, help="seconds to keep serving weights after --max-steps")
-    p.add_argument("--publish-every", type=int, default=1, help="publish a new version every N steps")
-    p.add_argument("--eval-every", type=int, default=5)
-    p.add_argument("--checkpoint-every", type=int, default=10)
-    p.add_argument("--kl-beta", type=float, default=0.0)
-    p.add_argument("--tis-cap", type=float, default=2.0)
-    p.add_argument("--rollout-rate", type=float, default=8.0, help="groups/s one peer may submit (token bucket)")
-    p.add_argument("--rollout-burst", type=float, default=32.0)
-    p.add_argument("--weights-encoding", choices=["fp32", "int8"], default="fp32")
-    p.add_argument("--chunk-size", type=int, default=1 << 20)
+    p.add_argument(
+        "--rollout-timeout", type=float, default=None, help="seconds for one rollout submission (both sides)"
+    )
     p.add_argument("-v", "--verbose", action="store_true")
+    add_flags(p)
+
+
+def config_path(args: argparse.Namespace) -> Path | None:
+    return args.config or (Path("bootstrap.toml") if Path("bootstrap.toml").exists() else None)
 
 
 def build_config(args: argparse.Namespace) -> NodeConfig:
-    file_values = {}
-    config_path = args.config or (Path("bootstrap.toml") if Path("bootstrap.toml").exists() else None)
-    if config_path is not None:
-        file_values = load_config_file(config_path)
+    path = config_path(args)
+    file_values = swarm_values(read_config_file(path), path) if path is not None else {}
     config = NodeConfig(role=args.role, data_dir=args.data_dir, **file_values)
     overrides = {
         "swarm": args.swarm,
@@ -86,13 +70,21 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
         "provide_interval": args.provide_interval,
         "bootstrap_timeout": args.bootstrap_timeout,
         "status_interval": args.status_interval,
+        "rollout_timeout": args.rollout_timeout,
         "psk": load_swarm_key(args.psk_file) if args.psk_file else None,
         "allow": frozenset(parse_peer_id(a, "--allow") for a in args.allow) if args.allow else None,
     }
     return config.with_overrides(**overrides)
 
 
-def build_role(args: argparse.Namespace, config: NodeConfig):
+def load_settings(args: argparse.Namespace) -> Settings:
+    """Flags > bootstrap.toml's [trainer]/[sampler]/[weights] tables > defaults."""
+    path = config_path(args)
+    tables = parse_tables(read_config_file(path), path) if path is not None else None
+    return build_settings(tables, args)
+
+
+def build_role(config: NodeConfig, settings: Settings):
     me = peer_id_of(load_or_create_key(config.identity_path))
     if config.role == "bootstrap":
         from node.roles.bootstrap import BootstrapRole
@@ -100,61 +92,26 @@ def build_role(args: argparse.Namespace, config: NodeConfig):
         return BootstrapRole()
     if config.role == "trainer":
         from node.roles.trainer import TrainerRole
-        from trainer.settings import TrainerSettings
 
         if config.trainer_id is not None and config.trainer_id != me:
             raise UserError(
                 f"this node's peer id is {me}, but the config trusts trainer {config.trainer_id}; "
                 "use the trainer's key (--key) or fix swarm.trainer"
             )
-        settings = TrainerSettings(
-            model_dir=args.model,
-            task=args.task,
-            group_size=args.group_size,
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            max_staleness=args.max_staleness,
-            lr=args.lr,
-            batch_groups=args.batch_groups,
-            max_steps=args.max_steps,
-            publish_every=args.publish_every,
-            eval_every=args.eval_every,
-            checkpoint_every=args.checkpoint_every,
-            kl_beta=args.kl_beta,
-            tis_cap=args.tis_cap,
-            rollout_rate=args.rollout_rate,
-            rollout_burst=args.rollout_burst,
-            linger_after_finish=args.linger,
-        )
-        return TrainerRole(
-            config.swarm,
-            config.data_dir,
-            settings,
-            config.provide_interval,
-            chunk_size=args.chunk_size,
-            encoding=args.weights_encoding,
-        )
-    from node.engines import make_engine
+        return TrainerRole(config, settings)
+    from node.engines import engine_factory
     from node.roles.sampler import SamplerRole
 
     if config.trainer_id is None:
         raise UserError("a sampler needs the trusted trainer peer id: set swarm.trainer in bootstrap.toml or --trainer")
-    bits = None if args.bits == "none" else int(args.bits)
-    return SamplerRole(
-        config.swarm,
-        config.trainer_id,
-        lambda path, version: make_engine(args.engine, path, bits=bits, version=version),
-        config.data_dir,
-        config.provide_interval,
-        config.discover_interval,
-    )
+    return SamplerRole(config, settings, engine_factory(settings.sampler.engine, settings.sampler.bits))
 
 
 def cmd_node(args: argparse.Namespace) -> int:
     from node.runtime import run_node
 
     config = build_config(args)
-    role = build_role(args, config)
+    role = build_role(config, load_settings(args))
     trio.run(run_node, config, role)
     return 0
 
@@ -188,9 +145,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_build_model(args: argparse.Namespace) -> int:
-    from trainer.tiny_model import build_tiny_model
+    from trainer.base_model import build_base_model
 
-    print(build_tiny_model(args.out, seed=args.seed))
+    print(build_base_model(args.out, seed=args.seed))
     return 0
 
 
@@ -211,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", type=Path)
     p = sub.add_parser("status", help="show a running node's status")
     p.add_argument("--data-dir", type=Path, default=Path(".swarmrl"))
-    p = sub.add_parser("build-model", help="write the embedded tiny model to a directory")
+    p = sub.add_parser("build-model", help="write the embedded base model to a directory")
     p.add_argument("out", type=Path)
     p.add_argument("--seed", type=int, default=0)
     from node.demo import add_demo_args, cmd_demo

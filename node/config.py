@@ -1,4 +1,6 @@
-"""Node configuration: bootstrap.toml (swarm name, bootstrap peers, trusted trainer id), overridden by flags."""
+"""Node configuration: bootstrap.toml's [swarm] table (swarm name, bootstrap peers, trusted trainer id, private
+swarm key, allow-list) and the node-level flags. The [trainer], [sampler] and [weights] tables are read by
+node/settings.py. Flags override the file."""
 
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ class NodeConfig:
     discover_interval: float = 2.0
     bootstrap_timeout: float = 20.0
     status_interval: float = 5.0
+    rollout_timeout: float = 120.0  # one limit for a rollout submission, on both sides of the stream
     psk: str | None = None  # private swarm key (64 hex digits), from swarm.psk_file / --psk-file
     allow: frozenset[ID] | None = None  # only these peers may connect (None: anyone)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -75,14 +78,29 @@ class NodeConfig:
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
 
 
-def load_config_file(path: Path) -> dict[str, Any]:
-    """Read bootstrap.toml into plain values; every problem names the file and the key."""
+TABLES = ("swarm", "trainer", "sampler", "weights")
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """bootstrap.toml as parsed TOML; every problem names the file."""
     try:
         data = tomllib.loads(path.read_text())
     except FileNotFoundError:
         raise UserError(f"config file {path} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"config file {path} is not valid TOML: {exc}") from None
+    unknown = set(data) - set(TABLES)
+    if unknown:
+        raise UserError(f"{path}: unknown tables or keys {', '.join(sorted(unknown))} (known: {', '.join(TABLES)})")
+    return data
+
+
+def load_config_file(path: Path) -> dict[str, Any]:
+    """bootstrap.toml's [swarm] table as NodeConfig values; every problem names the file and the key."""
+    return swarm_values(read_config_file(path), path)
+
+
+def swarm_values(data: dict[str, Any], path: Path) -> dict[str, Any]:
     swarm = data.get("swarm", {})
     if not isinstance(swarm, dict):
         raise UserError(f"{path}: [swarm] must be a table")

@@ -17,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from node.config import write_config_file
 from node.identity import load_or_create_key, peer_id_of
-from trainer.metrics import plot_curve, read_jsonl
+from node.metrics import plot_curve, read_jsonl
 
 console = Console()
 

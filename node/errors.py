@@ -1,5 +1,5 @@
-"""Errors a user can act on; the CLI prints them without a traceback."""
+"""Errors a user can act on; the CLI prints them without a traceback (defined once, in trainer/errors.py)."""
 
+from trainer.errors import UserError
 
-class UserError(Exception):
-    """Bad configuration, a bad flag, an unreachable bootstrap peer: say what and exit non-zero."""
+__all__ = ["UserError"]

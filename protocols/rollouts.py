@@ -2,7 +2,7 @@
 
 Submissions are idempotent by rollout id: a resend after a lost ack is answered ``duplicate``, never
 counted twice. Nothing here is trusted: the trainer rebuilds the prompt from (task_id, seed), recomputes
-rewards, and checks the claimed logprobs (see trainer/verify.py).
+rewards, and checks the claimed logprobs (see node/intake/verify.py).
 """
 
 from __future__ import annotations

@@ -12,6 +12,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    from trainer.tiny_model import build_tiny_model
+    from trainer.base_model import build_base_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
+    return build_base_model(tmp_path_factory.mktemp("model") / "tiny")

@@ -3,28 +3,12 @@
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from node.config import write_config_file
 from node.identity import load_or_create_key, peer_id_of
-
-CLI = [sys.executable, "-P", "-m", "node.cli"]  # -P: data dirs in the cwd must not shadow packages
-
-
-def run_cli(*args: str, cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers import free_port, process_swarm, read_status, run_cli, wait_for
 
 
 def test_bad_multiaddr_is_a_clear_error(tmp_path):
@@ -68,34 +52,6 @@ def test_sampler_without_trusted_trainer_is_refused(tmp_path):
     assert r.returncode == 2 and "trusted trainer peer id" in r.stderr
 
 
-def read_status(d: Path) -> dict:
-    try:
-        return json.loads((d / "status.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return {}
-
-
-def process_swarm(tmp_path: Path, swarm: str, model_dir: Path):
-    """Keys and a bootstrap.toml for a swarm of `swarmrl node` processes on loopback, and a function that starts
-    one (logs appended to <tmp_path>/<name>.log). Returns (bootstrap port, trainer peer id, spawn)."""
-    port = free_port()
-    boot_id = peer_id_of(load_or_create_key(tmp_path / "boot" / "identity.key"))
-    trainer_id = peer_id_of(load_or_create_key(tmp_path / "trainer" / "identity.key"))
-    cfg = tmp_path / "bootstrap.toml"
-    write_config_file(cfg, swarm, [f"/ip4/127.0.0.1/tcp/{port}/p2p/{boot_id}"], str(trainer_id))
-    common = ["--config", str(cfg), "--provide-interval", "2", "--model", str(model_dir), "--status-interval", "0.5"]
-
-    def spawn(role: str, name: str, *extra: str) -> subprocess.Popen:
-        return subprocess.Popen(
-            [*CLI, "node", "--role", role, "--data-dir", str(tmp_path / name), *common, *extra],
-            cwd=tmp_path,
-            stdout=open(tmp_path / f"{name}.log", "a"),
-            stderr=subprocess.STDOUT,
-        )
-
-    return port, trainer_id, spawn
-
-
 @pytest.mark.slow
 def test_swarm_of_separate_processes(tmp_path, tiny_model_dir):
     port, trainer_id, spawn = process_swarm(tmp_path, "proc", tiny_model_dir)
@@ -104,14 +60,16 @@ def test_swarm_of_separate_processes(tmp_path, tiny_model_dir):
         time.sleep(2)
         procs += [spawn("sampler", f"s{i}", "--listen", "/ip4/127.0.0.1/tcp/0") for i in range(2)]
         procs.append(spawn("trainer", "trainer", "--listen", "/ip4/127.0.0.1/tcp/0", "--max-tokens", "6"))
-        deadline = time.time() + 120
-        while time.time() < deadline:
+
+        def settled() -> bool:
             states = [read_status(tmp_path / f"s{i}") for i in range(2)]
             done = all(s.get("rollouts_accepted", 0) > 0 and s.get("samplers_known") == 1 for s in states)
-            if done and read_status(tmp_path / "trainer").get("rollouts_accepted", 0) > 0:
-                break
-            assert all(p.poll() is None for p in procs), (tmp_path / "trainer.log").read_text()[-2000:]
-            time.sleep(1)
+            return done and read_status(tmp_path / "trainer").get("rollouts_accepted", 0) > 0
+
+        wait_for(
+            settled, 120, "both samplers to find each other and get rollouts accepted", procs, tmp_path / "trainer.log"
+        )
+        states = [read_status(tmp_path / f"s{i}") for i in range(2)]
         for s in states:
             assert s["trainer"] == str(trainer_id)
             assert s["samplers_known"] == 1

@@ -1,14 +1,16 @@
-"""GRPO math on hand-computed cases, and the staleness bound."""
+"""GRPO math on hand-computed cases, and the batch policy (staleness bound, no-signal groups)."""
 
 from __future__ import annotations
 
 import math
+from collections import deque
 
 import pytest
 import torch
 
-from trainer.buffer import RolloutBuffer, VerifiedGroup
-from trainer.grpo import LossConfig, group_advantages, grpo_loss, has_signal
+from node.intake.buffer import take_batch
+from trainer.groups import Group, has_signal
+from trainer.grpo import LossConfig, group_advantages, grpo_loss
 
 
 def test_group_advantages_by_hand():
@@ -67,16 +69,30 @@ def test_kl_penalty_is_zero_at_the_reference_and_positive_away():
     assert at_ref.kl == pytest.approx(0.0) and away.kl == pytest.approx(math.exp(-1) + 1 - 1, rel=1e-5)
 
 
-def group(version: int) -> VerifiedGroup:
-    return VerifiedGroup(
-        f"g{version}", "p", version, "reverse", version, [1], [[2]], [[-1.0]], [[-1.0]], [0.0], [False], 1.0
+def group(version: int, rewards: tuple[float, ...] = (0.0, 1.0)) -> Group:
+    n = len(rewards)
+    return Group(
+        f"g{version}",
+        "p",
+        version,
+        "reverse",
+        version,
+        [1],
+        [[2]] * n,
+        [[-1.0]] * n,
+        [[-1.0]] * n,
+        list(rewards),
+        [False] * n,
+        1.0,
     )
 
 
-def test_stale_groups_are_dropped_and_counted():
-    buf = RolloutBuffer()
-    for v in (0, 3, 5, 6):
-        buf.add(group(v), [f"r{v}"])
-    taken = buf.take(10, current_version=6, max_staleness=2)
-    assert [g.version for g in taken] == [5, 6]
-    assert buf.dropped_stale == 2
+def test_batches_take_the_oldest_usable_groups_and_count_the_rest():
+    queue = deque((group(v), [f"r{v}"]) for v in (0, 3, 5, 6, 7))
+    queue.insert(3, (group(5, rewards=(0.5, 0.5)), ["flat"]))  # no reward variance: no signal
+    taken = take_batch(queue, 2, version=6, max_staleness=2)
+    assert [g.version for g in taken.batch] == [5, 6]
+    assert (taken.stale, taken.no_signal) == (2, 1)
+    assert [g.version for g, _ in queue] == [7]  # what was not needed stays, in order
+    rest = take_batch(queue, 4, version=6, max_staleness=2)
+    assert [g.version for g in rest.batch] == [7] and not queue

@@ -21,7 +21,7 @@ from protocols.errors import RemoteError
 from protocols.framing import FrameReader, unpack
 from protocols.rollouts import RolloutAck, RolloutGroup, Sample
 from protocols.work import WorkLease, WorkRequest
-from tests.swarm_helpers import LOOPBACK, start_bootstrap, start_sampler, start_trainer, wait_until
+from tests.helpers import LOOPBACK, start_bootstrap, start_sampler, start_trainer, wait_until
 
 
 async def raw_exchange(client, trainer_id, payload: bytes, protocol: str = rollouts.PROTOCOL_ID) -> dict:
@@ -40,13 +40,11 @@ def framed(body: bytes) -> bytes:
 async def trainer_and_client(tmp_path, tiny_model_dir, nursery):
     boot = await start_bootstrap(nursery, tmp_path)
     trainer = await start_trainer(nursery, tmp_path, boot, tiny_model_dir, group_size=4, max_tokens=6)
-    client_cm = open_swarm(load_or_create_key(tmp_path / "client.key"), LOOPBACK)
-    client = await client_cm.__aenter__()
-    from libp2p.peer.peerinfo import info_from_p2p_addr
+    async with open_swarm(load_or_create_key(tmp_path / "client.key"), LOOPBACK) as client:
+        from libp2p.peer.peerinfo import info_from_p2p_addr
 
-    await client.connect(info_from_p2p_addr(trainer.swarm.addrs()[0]))
-    yield trainer, client
-    await client_cm.__aexit__(None, None, None)
+        await client.connect(info_from_p2p_addr(trainer.swarm.addrs()[0]))
+        yield trainer, client
 
 
 async def get_lease(client, trainer) -> WorkLease:
@@ -157,12 +155,12 @@ async def test_forged_rollouts_are_rejected_and_offenders_banned(trainer_and_cli
     assert len(ack.accepted) == 4 and not ack.rejected
     again = await send(good)  # idempotent by rollout id
     assert again.duplicate == [s.rollout_id for s in good.samples] and not again.accepted
-    assert trainer.role.buffer.accepted == 4
+    assert trainer.role.intake.ledger.rollouts_accepted == 4
 
     # unknown lease: rejected without blame
     stray = dataclasses.replace(await honest_group(lease, 1), lease_id="feedfeedfeedfeed")
     assert (await send(stray)).rejected
-    assert trainer.role.verifier.peers.strikes.get(str(client.peer_id), 0) == 0
+    assert trainer.role.intake.strikes.counts.get(str(client.peer_id), 0) == 0
 
     honest = await honest_group(lease, 1)
     forged_lp = dataclasses.replace(
@@ -181,12 +179,12 @@ async def test_forged_rollouts_are_rejected_and_offenders_banned(trainer_and_cli
     ack = await send(forged_id)
     assert ack.rejected and "arrived from" in ack.rejected[0][1]
 
-    assert str(client.peer_id) in trainer.role.verifier.peers.banned
+    assert str(client.peer_id) in trainer.role.intake.strikes.banned
     # the honest group is now refused too, and so is new work
     assert (await send(honest)).rejected
     with pytest.raises(RemoteError, match="banned"):
         await get_lease(client, trainer)
-    assert trainer.role.buffer.accepted == 4
+    assert trainer.role.intake.ledger.rollouts_accepted == 4
 
 
 async def test_forged_prompt_is_rejected(trainer_and_client):
@@ -236,7 +234,7 @@ async def test_a_flooding_peer_is_rate_limited_and_an_honest_sampler_is_not(tmp_
         async def flood_one() -> None:
             replies.append(await raw_exchange(flooder, trainer.swarm.peer_id, framed(junk)))
 
-        before = trainer.role.buffer.accepted_by_peer.get(str(honest.swarm.peer_id), 0)
+        before = trainer.role.intake.ledger.accepted_by_peer.get(str(honest.swarm.peer_id), 0)
         with trio.fail_after(60):
             for _ in range(6):  # 6 waves of 20 concurrent requests, over ~3 s
                 async with trio.open_nursery() as wave:
@@ -250,7 +248,7 @@ async def test_a_flooding_peer_is_rate_limited_and_an_honest_sampler_is_not(tmp_
         assert len(schema) <= 4 + 2 * 5  # the burst, plus the refill over the flood's few seconds
         # the honest sampler keeps getting its groups accepted during and after the flood, never limited
         await wait_until(
-            lambda: trainer.role.buffer.accepted_by_peer.get(str(honest.swarm.peer_id), 0) >= before + 8, 120
+            lambda: trainer.role.intake.ledger.accepted_by_peer.get(str(honest.swarm.peer_id), 0) >= before + 8, 120
         )
         # it may meet its own limit (it samples faster than 2 groups/s): it waits as told and loses nothing
         assert honest.role.rollouts_rejected == 0

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from trainer.buffer import RolloutBuffer, VerifiedGroup
-from trainer.journal import RolloutJournal
+from node.intake.journal import RolloutJournal
+from trainer.groups import Group
 
 
-def group(i: int) -> VerifiedGroup:
-    return VerifiedGroup(
+def group(i: int) -> Group:
+    return Group(
         f"g{i}", "peer", 1, "reverse", i, [1, 2], [[3, 4]], [[-0.5, -0.25]], [[-0.5, -0.3]], [0.5], [False], 1.0
     )
 
@@ -19,15 +19,17 @@ def ids(i: int) -> list[str]:
 def test_replay_restores_the_checkpoint_snapshot_and_everything_accepted_after(tmp_path):
     j = RolloutJournal(tmp_path)
     j.start_segment(0, [])
-    buf = RolloutBuffer(journal=j)
+    buffered = []
     for i in range(5):
-        buf.add(group(i), ids(i))
-    buf.take(2, 1, 4)  # g0, g1 trained
-    j.start_segment(1, buf.snapshot())  # checkpoint 1: g2..g4 buffered
+        j.append(group(i), ids(i))
+        buffered.append((group(i), ids(i)))
+    buffered = buffered[2:]  # g0, g1 trained
+    j.start_segment(1, buffered)  # checkpoint 1: g2..g4 buffered
     for i in range(5, 8):
-        buf.add(group(i), ids(i))
-    j.start_segment(2, buf.snapshot())  # a checkpoint that never finished saving...
-    buf.add(group(8), ids(8))
+        j.append(group(i), ids(i))
+        buffered.append((group(i), ids(i)))
+    j.start_segment(2, buffered)  # a checkpoint that never finished saving...
+    j.append(group(8), ids(8))
     j.close()
 
     snapshot, new = RolloutJournal(tmp_path).replay(1)  # ...so the trainer restarts from checkpoint 1

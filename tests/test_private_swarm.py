@@ -14,7 +14,7 @@ from node.identity import load_or_create_key, peer_id_of
 from node.private import load_swarm_key, write_swarm_key
 from node.rpc import request
 from protocols import weights as weights_proto
-from tests.swarm_helpers import LOOPBACK
+from tests.helpers import LOOPBACK
 
 
 def swarm_key(path) -> str:

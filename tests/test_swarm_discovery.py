@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import trio
 
-from tests.swarm_helpers import start_bootstrap, start_sampler, start_trainer, wait_until
+from tests.helpers import start_bootstrap, start_sampler, start_trainer, wait_until
 
 
 async def test_samplers_find_trainer_and_each_other_via_dht(tmp_path, tiny_model_dir):
@@ -27,7 +27,7 @@ async def test_samplers_find_trainer_and_each_other_via_dht(tmp_path, tiny_model
 
         # rollouts reach the trainer straight from every sampler and are accepted
         await wait_until(lambda: all(s.role.rollouts_accepted >= 8 for s in samplers), timeout=60)
-        by_peer = trainer.role.buffer.accepted_by_peer
+        by_peer = trainer.role.intake.ledger.accepted_by_peer
         assert set(by_peer) == {str(s.swarm.peer_id) for s in samplers}
-        assert trainer.role.verifier.forged == 0
+        assert trainer.role.intake.forged == 0
         nursery.cancel_scope.cancel()

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 
 import pytest
 import trio
 
-from tests.swarm_helpers import start_bootstrap, start_sampler, start_trainer, wait_until
-from tests.test_cli import process_swarm, read_status
+from node.metrics import read_jsonl
+from tests.helpers import (
+    process_swarm,
+    read_status,
+    start_bootstrap,
+    start_sampler,
+    start_trainer,
+    wait_for,
+    wait_until,
+)
 from trainer.checkpoint import load_checkpoint
-from trainer.metrics import read_jsonl
 
 
 @pytest.mark.slow
@@ -29,11 +35,11 @@ async def test_short_swarm_run_beats_the_untrained_model(tmp_path, tiny_model_di
             max_steps=24,
             eval_every=8,
             eval_size=64,
-            linger_after_finish=0.0,
+            linger=0.0,
         )
         for i in range(2):
             await start_sampler(nursery, tmp_path, f"s{i}", boot)
-        await wait_until(lambda: trainer.role.finished.is_set(), timeout=400, interval=0.5)
+        await wait_until(lambda: trainer.role.finished.is_set(), 400, 0.5, what="24 training steps")
         nursery.cancel_scope.cancel()
     records = read_jsonl(tmp_path / "trainer" / "metrics.jsonl")
     evals = [r for r in records if "eval_reward" in r]
@@ -68,10 +74,13 @@ def test_killed_trainer_resumes_and_samplers_reconnect(tmp_path, tiny_model_dir)
         procs.append(spawn("sampler", "s0", "--listen", "/ip4/127.0.0.1/tcp/0"))
         trainer = spawn("trainer", "trainer", *trainer_args)
         ckpt = tmp_path / "trainer" / "trainer.ckpt"
-        deadline = time.time() + 180
-        while time.time() < deadline and not (ckpt.exists() and load_checkpoint(ckpt)["step"] >= 4):
-            assert trainer.poll() is None, (tmp_path / "trainer.log").read_text()[-2000:]
-            time.sleep(0.5)
+        wait_for(
+            lambda: ckpt.exists() and load_checkpoint(ckpt)["step"] >= 4,
+            180,
+            "a checkpoint at step 4",
+            [trainer],
+            tmp_path / "trainer.log",
+        )
         trainer.send_signal(signal.SIGKILL)
         trainer.wait()
         time.sleep(1)
@@ -82,27 +91,36 @@ def test_killed_trainer_resumes_and_samplers_reconnect(tmp_path, tiny_model_dir)
         trainer = spawn("trainer", "trainer", *trainer_args)
         procs.append(trainer)
         # the restarted trainer's first status, before any sampler found it again: what it remembers accepting
-        first = {}
-        deadline = time.time() + 60
-        while time.time() < deadline and first.get("updated", 0) < t_restart:
-            first = read_status(tmp_path / "trainer")
-            time.sleep(0.05)
+        wait_for(
+            lambda: read_status(tmp_path / "trainer").get("updated", 0) >= t_restart,
+            60,
+            "the restarted trainer's first status",
+            [trainer],
+            tmp_path / "trainer.log",
+            interval=0.05,
+        )
+        first = read_status(tmp_path / "trainer")
         # nothing acknowledged was lost with the process: the journal put back what the checkpoint lacked
         assert first["rollouts_accepted"] >= accepted_before > saved["ledger"]["rollouts_accepted"]
-        deadline = time.time() + 180
-        resumed = []
-        while time.time() < deadline:
-            lines = [json.loads(x) for x in (tmp_path / "trainer" / "metrics.jsonl").read_text().splitlines()]
-            resumed = [r for r in lines if "reward" in r and r["time"] > t_restart]
-            if (
-                any(r["step"] >= saved["step"] + 3 for r in resumed)
-                and read_status(tmp_path / "s0").get("rollouts_accepted", 0) > accepted_before
-            ):
-                break
-            assert trainer.poll() is None, (tmp_path / "trainer.log").read_text()[-2000:]
-            time.sleep(1)
-        else:
-            pytest.fail("the restarted trainer did not train on new rollouts")
+
+        def trained_after_restart() -> bool:
+            resumed = [
+                r for r in read_jsonl(tmp_path / "trainer" / "metrics.jsonl") if "reward" in r and r["time"] > t_restart
+            ]
+            return any(r["step"] >= saved["step"] + 3 for r in resumed) and (
+                read_status(tmp_path / "s0").get("rollouts_accepted", 0) > accepted_before
+            )
+
+        wait_for(
+            trained_after_restart,
+            180,
+            "the restarted trainer to train on new rollouts",
+            [trainer],
+            tmp_path / "trainer.log",
+            interval=1.0,
+        )
+        lines = read_jsonl(tmp_path / "trainer" / "metrics.jsonl")
+        resumed = [r for r in lines if "reward" in r and r["time"] > t_restart]
         after = read_status(tmp_path / "trainer")
         assert after["groups_accepted"] == (
             after["groups_trained"] + after["groups_stale"] + after["groups_no_signal"] + after["groups_buffered"]

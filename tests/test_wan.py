@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.netlab.swarm import WanSwarm, plot_timeline, wan_links
+from bench.netlab.topology import Lab, Link, lab_unavailable
 from node.identity import load_or_create_key, peer_id_of
-from tests.netlab.swarm import WanSwarm, plot_timeline, wan_links
-from tests.netlab.topology import Lab, Link, lab_unavailable
 
 pytestmark = pytest.mark.skipif(lab_unavailable() is not None, reason=f"no network lab: {lab_unavailable()}")
 
@@ -81,6 +81,8 @@ def trainer_args(max_steps: int = 100_000) -> list[str]:
         "--max-steps", str(max_steps), "--eval-every", "100000", "--checkpoint-every", "2", "--weights-encoding",
         "int8", "--chunk-size", "262144", "--linger", "600", "--rollout-rate", "4", "--rollout-burst", "8",
     ]  # fmt: skip
+
+
 FIGURES = Path(__file__).resolve().parents[1] / "runs" / "wan"
 
 
@@ -140,9 +142,11 @@ def test_wan_faults_lose_nothing_and_every_sampler_converges(tmp_path, tiny_mode
 
         # -- a sampler killed mid-transfer resumes from the chunks it kept ------------------------------
         swarm.start("s4")
+
         def partial() -> bool:
             got = swarm.store_progress("s4")
             return got is not None and 0 < got[0] < got[1]
+
         sc.pump(partial, 120, "s4 to be part-way through a download")
         swarm.kill("s4")
         sc.down.add("s4")

@@ -8,10 +8,11 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
 from node.weights.manifest import ForgedManifest, manifest_id, safetensors_layout, sign_manifest, verify_manifest
+from node.weights.publish import Publisher
 from node.weights.store import BadChunk, ChunkStore
 from protocols.weights import SignedManifest
-from trainer.policy import load_model
-from trainer.publish import Publisher
+from tests.helpers import publish_model
+from trainer.model import load_model
 
 CHUNK = 64 << 10
 
@@ -19,13 +20,13 @@ CHUNK = 64 << 10
 @pytest.fixture
 def publisher(tmp_path, tiny_model_dir):
     key = create_new_key_pair()
-    return Publisher(ChunkStore(tmp_path / "trainer"), key, "t", tiny_model_dir, chunk_size=CHUNK), key
+    return Publisher(ChunkStore(tmp_path / "trainer"), key, "t", chunk_size=CHUNK), key
 
 
 def test_chunks_are_tensor_aligned_and_unchanged_tensors_cost_nothing(publisher, tiny_model_dir):
     pub, _ = publisher
     model = load_model(tiny_model_dir)
-    _, _, m0 = pub.publish(model, 0)
+    _, _, m0 = publish_model(pub, model, 0, tiny_model_dir)
     weights = next(f for f in m0.files if f.path == "model.safetensors")
     assert all(h in pub.store._present for h in weights.chunks)
     # every tensor starts a chunk
@@ -37,7 +38,7 @@ def test_chunks_are_tensor_aligned_and_unchanged_tensors_cost_nothing(publisher,
     assert {t.offset for t in m0.tensors} <= starts
     with torch.no_grad():
         model.model.layers[1].mlp.down_proj.weight.add_(0.01)
-    _, _, m1 = pub.publish(model, 1)
+    _, _, m1 = publish_model(pub, model, 1, tiny_model_dir)
     new = set(m1.all_chunks()) - set(m0.all_chunks())
     changed = next(t for t in m1.tensors if t.name.endswith("layers.1.mlp.down_proj.weight"))
     assert 0 < sum(len(pub.store.read(h)) for h in new) <= changed.nbytes + 4096  # that tensor (+ header)
@@ -46,7 +47,7 @@ def test_chunks_are_tensor_aligned_and_unchanged_tensors_cost_nothing(publisher,
 
 def test_manifest_signature_is_checked(publisher, tiny_model_dir):
     pub, key = publisher
-    _, signed, manifest = pub.publish(load_model(tiny_model_dir), 0)
+    _, signed, manifest = publish_model(pub, load_model(tiny_model_dir), 0, tiny_model_dir)
     trusted = ID.from_pubkey(key.public_key)
     assert verify_manifest(signed, trusted, "t") == manifest
     with pytest.raises(ForgedManifest, match="not the trusted trainer"):
@@ -62,7 +63,7 @@ def test_manifest_signature_is_checked(publisher, tiny_model_dir):
 
 def test_store_refuses_bad_chunks_and_resumes_after_restart(publisher, tiny_model_dir, tmp_path):
     pub, _ = publisher
-    mid, signed, manifest = pub.publish(load_model(tiny_model_dir), 0)
+    mid, signed, manifest = publish_model(pub, load_model(tiny_model_dir), 0, tiny_model_dir)
     mine = ChunkStore(tmp_path / "sampler")
     h = manifest.all_chunks()[0]
     with pytest.raises(BadChunk):
@@ -77,9 +78,9 @@ def test_store_refuses_bad_chunks_and_resumes_after_restart(publisher, tiny_mode
     assert restarted.manifest(mid) is not None and restarted.latest() is None
 
 
-def test_reassembled_checkpoint_is_bit_exact_and_opens_in_transformers_and_mlx(publisher, tiny_model_dir, tmp_path):
+def test_reassembled_model_dir_is_bit_exact_and_opens_in_transformers_and_mlx(publisher, tiny_model_dir, tmp_path):
     pub, _ = publisher
-    _, _, manifest = pub.publish(load_model(tiny_model_dir), 0)
+    _, _, manifest = publish_model(pub, load_model(tiny_model_dir), 0, tiny_model_dir)
     out = pub.store.assemble(manifest)
     assert (out / "model.safetensors").read_bytes() == (tiny_model_dir / "model.safetensors").read_bytes()
     from mlx_lm.utils import load_model as mlx_load
@@ -90,9 +91,9 @@ def test_reassembled_checkpoint_is_bit_exact_and_opens_in_transformers_and_mlx(p
 
 def test_int8_encoding_downloads_a_byte_per_parameter(tmp_path, tiny_model_dir):
     key = create_new_key_pair()
-    pub = Publisher(ChunkStore(tmp_path / "q"), key, "t", tiny_model_dir, chunk_size=CHUNK, encoding="int8")
+    pub = Publisher(ChunkStore(tmp_path / "q"), key, "t", chunk_size=CHUNK, encoding="int8")
     model = load_model(tiny_model_dir)
-    _, _, manifest = pub.publish(model, 0)
+    _, _, manifest = publish_model(pub, model, 0, tiny_model_dir)
     fp32 = (tiny_model_dir / "model.safetensors").stat().st_size
     weights = next(f for f in manifest.files if f.path == "model.safetensors")
     assert weights.size < 0.3 * fp32
@@ -111,7 +112,7 @@ def publish_versions(pub: Publisher, model_dir, n: int) -> list:
     for v in range(n):
         with torch.no_grad():
             model.model.layers[0].mlp.up_proj.weight.mul_(1.01)
-        metas.append(pub.publish(model, v))
+        metas.append(publish_model(pub, model, v, model_dir))
     return metas
 
 

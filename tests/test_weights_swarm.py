@@ -17,19 +17,19 @@ from node.weights.gossip import announce_topic, open_gossip
 from node.weights.manifest import sign_manifest
 from node.weights.store import ChunkStore
 from protocols import weights as w
-from tests.swarm_helpers import LOOPBACK, start_bootstrap, start_sampler, start_trainer, wait_until
+from tests.helpers import LOOPBACK, start_bootstrap, start_sampler, start_trainer, wait_until
 
 CHUNK = 16 << 10
 
 
 def weights_bytes(store: ChunkStore, version: int) -> bytes:
-    return (store.checkpoint_dir / f"v{version}" / "model.safetensors").read_bytes()
+    return (store.versions_dir / f"v{version}" / "model.safetensors").read_bytes()
 
 
 async def test_versions_reach_every_sampler_bit_exact_and_swarm(tmp_path, tiny_model_dir):
     async with trio.open_nursery() as nursery:
         boot = await start_bootstrap(nursery, tmp_path)
-        trainer = await start_trainer(nursery, tmp_path, boot, tiny_model_dir, role_kw={"chunk_size": CHUNK})
+        trainer = await start_trainer(nursery, tmp_path, boot, tiny_model_dir, weights={"chunk_size": CHUNK})
         samplers = [await start_sampler(nursery, tmp_path, f"s{i}", boot) for i in range(3)]
         await wait_until(lambda: all(s.role.engine_ready.is_set() for s in samplers), timeout=60)
         _, _, m0 = trainer.role.store.latest()
@@ -45,9 +45,9 @@ async def test_versions_reach_every_sampler_bit_exact_and_swarm(tmp_path, tiny_m
 
         # a new version: only changed tensors are new content, and every engine hot-swaps to it
         with torch.no_grad():
-            trainer.role.model.model.layers[0].self_attn.q_proj.weight.mul_(-1.0)
+            trainer.role.learner.model.model.layers[0].self_attn.q_proj.weight.mul_(-1.0)
         before = trainer.role.weight_server.bytes_served
-        trainer.role.version = 1
+        trainer.role.learner.new_version()
         await trainer.role.publish()
         await wait_until(
             lambda: all(s.role.engine is not None and s.role.engine.version == 1 for s in samplers), timeout=30
@@ -57,14 +57,14 @@ async def test_versions_reach_every_sampler_bit_exact_and_swarm(tmp_path, tiny_m
         assert new_bytes < 0.1 * m1.total_size
         assert trainer.role.weight_server.bytes_served - before <= 3 * new_bytes + 3 * 4096
         for s in samplers:
-            assert (s.role.store.checkpoint_dir / "v1").exists()
+            assert (s.role.store.versions_dir / "v1").exists()
         nursery.cancel_scope.cancel()
 
 
 async def test_corrupt_chunks_and_forged_manifests_are_refused(tmp_path, tiny_model_dir):
     async with trio.open_nursery() as nursery, AsyncExitStack() as stack:
         boot = await start_bootstrap(nursery, tmp_path)
-        trainer = await start_trainer(nursery, tmp_path, boot, tiny_model_dir, role_kw={"chunk_size": CHUNK})
+        trainer = await start_trainer(nursery, tmp_path, boot, tiny_model_dir, weights={"chunk_size": CHUNK})
         await wait_until(lambda: trainer.role.published is not None, timeout=30)
         _, _, m0 = trainer.role.store.latest()
         key = load_or_create_key(tmp_path / "evil.key")
@@ -96,7 +96,7 @@ async def test_corrupt_chunks_and_forged_manifests_are_refused(tmp_path, tiny_mo
 
         await wait_until(lambda: sampler.role.engine_ready.is_set(), timeout=60)
         assert served_bad, "the corrupt peer was never asked: the test proves nothing"
-        assert sampler.role.weights.penalties.banned(evil.peer_id)
+        assert sampler.role.weights.strikes.is_banned(evil.peer_id)
         assert sampler.role.weights.forged_manifests >= 1
         assert sampler.role.engine.version == 0
         reference = await trio.to_thread.run_sync(trainer.role.store.assemble, m0)
@@ -105,11 +105,12 @@ async def test_corrupt_chunks_and_forged_manifests_are_refused(tmp_path, tiny_mo
 
 
 async def test_download_killed_midway_resumes_from_what_is_on_disk(tmp_path, tiny_model_dir):
-    from node.weights.fetcher import Download, PeerPenalties
+    from node.strikes import Strikes
+    from node.weights.fetcher import Download
 
     async with trio.open_nursery() as nursery, AsyncExitStack() as stack:
         boot = await start_bootstrap(nursery, tmp_path)
-        trainer = await start_trainer(nursery, tmp_path, boot, tiny_model_dir, role_kw={"chunk_size": 4 << 10})
+        trainer = await start_trainer(nursery, tmp_path, boot, tiny_model_dir, weights={"chunk_size": 4 << 10})
         await wait_until(lambda: trainer.role.published is not None, timeout=30)
         mid, signed, manifest = trainer.role.store.latest()
         me = await stack.enter_async_context(open_swarm(load_or_create_key(tmp_path / "me.key"), LOOPBACK))
@@ -125,7 +126,7 @@ async def test_download_killed_midway_resumes_from_what_is_on_disk(tmp_path, tin
             mid,
             trainer.swarm.peer_id,
             lambda: [],
-            PeerPenalties(),
+            Strikes(2),
             workers_per_peer=1,
             batch=1,
         )
@@ -141,7 +142,7 @@ async def test_download_killed_midway_resumes_from_what_is_on_disk(tmp_path, tin
         assert restarted.manifest(mid) is not None
         left = restarted.missing(manifest)
         assert 0 < len(left) < total
-        second = Download(me.host, restarted, manifest, mid, trainer.swarm.peer_id, lambda: [], PeerPenalties())
+        second = Download(me.host, restarted, manifest, mid, trainer.swarm.peer_id, lambda: [], Strikes(2))
         await second.run()
         assert sum(second.stats.bytes_by_peer.values()) == sum(len(trainer.role.store.read(h)) for h in left)
         out = restarted.assemble(manifest)
@@ -154,7 +155,7 @@ async def test_a_download_that_stalls_is_abandoned_for_the_newest_version(tmp_pa
     for them forever, but move on to the newer version once the download stops moving."""
     async with trio.open_nursery() as nursery:
         boot = await start_bootstrap(nursery, tmp_path)
-        trainer = await start_trainer(nursery, tmp_path, boot, tiny_model_dir, role_kw={"chunk_size": 4 << 10})
+        trainer = await start_trainer(nursery, tmp_path, boot, tiny_model_dir, weights={"chunk_size": 4 << 10})
         await wait_until(lambda: trainer.role.published is not None, timeout=30)
         _, _, m0 = trainer.role.store.latest()
         weights = next(f for f in m0.files if f.path == "model.safetensors").chunks
@@ -163,7 +164,7 @@ async def test_a_download_that_stalls_is_abandoned_for_the_newest_version(tmp_pa
             trainer.role.store._chunk_path(h).unlink()
             trainer.role.store._present.discard(h)
         sampler = await start_sampler(nursery, tmp_path, "s0", boot, engine="torch")
-        sampler.role.weights.stall_timeout = 1.0
+        sampler.role.weights.settings.stall_timeout = 1.0
         await wait_until(
             lambda: sampler.role.weights.download is not None and sampler.role.weights.download.fraction_done() > 0.9,
             timeout=60,
@@ -171,9 +172,9 @@ async def test_a_download_that_stalls_is_abandoned_for_the_newest_version(tmp_pa
         await trio.sleep(1.0)
         assert sampler.role.engine is None  # version 0 can never complete
         with torch.no_grad():
-            for p in trainer.role.model.parameters():
+            for p in trainer.role.learner.model.parameters():
                 p.mul_(1.01)
-        trainer.role.version = 1
+        trainer.role.learner.new_version()
         await trainer.role.publish()
         await wait_until(lambda: sampler.role.engine is not None and sampler.role.engine.version == 1, timeout=30)
         nursery.cancel_scope.cancel()

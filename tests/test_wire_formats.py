@@ -14,24 +14,7 @@ from protocols.errors import FrameTooLarge, MalformedMessage, PeerClosed, Protoc
 from protocols.framing import FrameReader, frame, unpack
 from protocols.rollouts import RolloutAck, RolloutGroup, Sample
 from protocols.work import SamplingParams, TaskSpec, WorkLease, WorkRequest
-
-
-class FakeStream:
-    """Bytes delivered in small pieces, like py-libp2p's read(); raises StreamEOF at the end."""
-
-    def __init__(self, data: bytes, piece: int = 7) -> None:
-        self.data, self.piece = data, piece
-
-    async def read(self, n=None):
-        from libp2p.network.stream.exceptions import StreamEOF
-
-        if not self.data:
-            raise StreamEOF()
-        out, self.data = self.data[: min(n, self.piece)], self.data[min(n, self.piece) :]
-        return out
-
-    async def write(self, data):  # pragma: no cover - not used
-        pass
+from tests.helpers import FakeStream
 
 
 def group() -> RolloutGroup:

@@ -1,4 +1,7 @@
-"""Trainer checkpoint: model, optimizer, version, step and the lease cursor, written atomically."""
+"""The trainer's checkpoint (its saved state: learner state, lease cursor, journal epoch, ledger), written atomically.
+
+One meaning of "checkpoint" in this project: this file. A Hugging Face directory of weights is a "model dir".
+"""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ from typing import Any
 import torch
 
 
-def save_checkpoint(path: Path, **state: Any) -> None:
+def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)

@@ -30,10 +30,6 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return (rewards - rewards.mean()) / (rewards.std(unbiased=False) + eps)
 
 
-def has_signal(rewards: list[float]) -> bool:
-    return max(rewards) - min(rewards) > 1e-9
-
-
 @dataclass
 class LossStats:
     loss: float

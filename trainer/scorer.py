@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.policy import load_model, token_logprobs
+from trainer.model import load_model, token_logprobs
 
 
 class Scorer:
@@ -27,6 +27,11 @@ class Scorer:
             self._snapshots[version] = snap
             while len(self._snapshots) > self.keep:
                 self._snapshots.popitem(last=False)
+
+    def forget_all(self) -> None:
+        with self._lock:
+            self._snapshots.clear()
+            self._loaded = None
 
     def knows(self, version: int) -> bool:
         return version in self._snapshots

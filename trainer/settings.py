@@ -1,40 +1,32 @@
-"""Everything the trainer role can be told, in one place (CLI flags map onto these fields)."""
+"""The learner's knobs, and ``knob``: a dataclass field with the help text its CLI flag shows.
+
+node/settings.py turns every such dataclass into command-line flags and bootstrap.toml keys, so a knob is
+declared once, here or there, with its default and its help.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+
+def knob(default: Any, help: str, **meta: Any) -> Any:
+    """A settings field: ``help`` for --help; ``flag`` overrides the flag name, ``choices`` limits values,
+    ``type`` parses the flag's text (default: the default's type)."""
+    return field(default=default, metadata={"help": help, **meta})
 
 
 @dataclass
-class TrainerSettings:
-    model_dir: Path | None = None  # None: build the embedded tiny model
-    task: str = "reverse"
-    group_size: int = 8
-    groups_per_lease: int = 4
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens: int = 8
-    lease_ttl: float = 120.0
-    max_staleness: int = 4
-    # GRPO
-    lr: float = 3e-3
-    batch_groups: int = 16
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    tis_cap: float = 2.0
-    kl_beta: float = 0.0
-    grad_clip: float = 1.0
-    publish_every: int = 1
-    max_steps: int | None = None
-    checkpoint_every: int = 10
-    eval_every: int = 5
-    eval_size: int = 64
-    torch_threads: int = 1
-    seed: int = 0
-    # per-peer request limits (token buckets): sustained rate per second and burst
-    rollout_rate: float = 8.0
-    rollout_burst: float = 32.0
-    work_rate: float = 2.0
-    work_burst: float = 8.0
-    linger_after_finish: float = 2.0  # keep serving the last version briefly after max_steps
+class LearnerSettings:
+    model_dir: Path | None = knob(
+        None, "local HF model directory (default: the embedded base model)", flag="model", type=Path
+    )
+    lr: float = knob(3e-3, "AdamW learning rate")
+    clip_low: float = knob(0.2, "PPO clip below the ratio 1 (eps_low)")
+    clip_high: float = knob(0.28, "PPO clip above the ratio 1 (eps_high, DAPO's clip-higher)")
+    tis_cap: float = knob(2.0, "cap on the truncated importance weight pi_old / mu")
+    kl_beta: float = knob(0.0, "weight of a KL penalty to the initial model (0: none, no reference model kept)")
+    grad_clip: float = knob(1.0, "gradient norm clip")
+    seed: int = knob(0, "torch seed")
+    torch_threads: int = knob(1, "torch CPU threads for the learner")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from node.engines.base import Engine, Generation
@@ -35,3 +36,9 @@ def make_engine(name: str, model_dir: Path, bits: int | None = 8, version: int =
 
         return TorchEngine(model_dir, version=version)
     raise UserError(f"unknown engine {name!r}: use mlx, torch or auto")
+
+
+def engine_factory(name: str, bits: str) -> Callable[[Path, int], Engine]:
+    """A sampler's engine maker from its settings: (model dir, version) -> engine."""
+    quant_bits = None if bits == "none" else int(bits)
+    return lambda path, version: make_engine(name, path, bits=quant_bits, version=version)

@@ -33,6 +33,6 @@ class Engine(Protocol):
         seed: int,
     ) -> list[Generation]: ...
 
-    def load_checkpoint(self, model_dir: Path, version: int) -> None:
+    def swap(self, model_dir: Path, version: int) -> None:
         """Replace the live weights with those in ``model_dir`` (same architecture), tagged ``version``."""
         ...

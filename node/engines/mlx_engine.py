@@ -17,10 +17,10 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load_model
 
-from node.checkpoint import inspect_checkpoint
 from node.engines.base import Generation
 from node.engines.worker import ComputeThread
 from node.errors import UserError
+from trainer.model_dir import inspect_model_dir
 
 QUANT_NAMES = {None: "none", 8: "q8", 4: "q4"}
 
@@ -31,7 +31,7 @@ class MlxEngine:
     def __init__(self, model_dir: Path, bits: int | None = 8, group_size: int = 64, version: int = 0) -> None:
         if bits not in QUANT_NAMES:
             raise UserError(f"unsupported quantization bits {bits!r}: use 8, 4 or none")
-        info = inspect_checkpoint(model_dir)
+        info = inspect_model_dir(model_dir)
         self._thread = ComputeThread("mlx-engine")
         self._thread.call(self._init, info, model_dir, bits, group_size, version)
 
@@ -55,12 +55,12 @@ class MlxEngine:
             name[: -len(".scales")] for name, _ in tree_flatten(self.model.parameters()) if name.endswith(".scales")
         }
 
-    def load_checkpoint(self, model_dir: Path, version: int) -> None:
+    def swap(self, model_dir: Path, version: int) -> None:
         """Hot-swap: load new float weights, re-quantize them the same way, load_weights(strict=True)."""
-        inspect_checkpoint(model_dir)
-        self._thread.call(self._load_checkpoint, model_dir, version)
+        inspect_model_dir(model_dir)
+        self._thread.call(self._swap, model_dir, version)
 
-    def _load_checkpoint(self, model_dir: Path, version: int) -> None:
+    def _swap(self, model_dir: Path, version: int) -> None:
         weights: dict[str, mx.array] = {}
         for f in sorted(Path(model_dir).glob("*.safetensors")):
             weights.update(mx.load(str(f)))

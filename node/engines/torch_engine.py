@@ -7,9 +7,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from node.checkpoint import inspect_checkpoint
 from node.engines.base import Generation
 from node.errors import UserError
+from trainer.model_dir import inspect_model_dir
 
 
 class TorchEngine:
@@ -17,7 +17,7 @@ class TorchEngine:
     quant = "torch"
 
     def __init__(self, model_dir: Path, version: int = 0) -> None:
-        info = inspect_checkpoint(model_dir)
+        info = inspect_model_dir(model_dir)
         self.eos_ids = info.eos_ids
         self.pad_id = info.config.get("pad_token_id") or 0
         try:
@@ -26,10 +26,10 @@ class TorchEngine:
             raise UserError(f"transformers could not load {model_dir}: {exc}") from None
         self.version = version
 
-    def load_checkpoint(self, model_dir: Path, version: int) -> None:
+    def swap(self, model_dir: Path, version: int) -> None:
         from safetensors.torch import load_file
 
-        inspect_checkpoint(model_dir)
+        inspect_model_dir(model_dir)
         state: dict[str, torch.Tensor] = {}
         for f in sorted(Path(model_dir).glob("*.safetensors")):
             state.update(load_file(str(f)))

@@ -12,10 +12,12 @@ from typing import Any
 import trio
 from libp2p.peer.id import ID
 
+from node.config import NodeConfig
 from node.discovery import find_role, provide_forever, role_key
 from node.engines import Engine
 from node.host import Swarm
 from node.rpc import request
+from node.settings import Settings
 from node.weights.server import WeightServer
 from node.weights.store import ChunkStore
 from node.weights.sync import WeightSync
@@ -26,33 +28,52 @@ from protocols.work import TaskSpec, WorkLease, WorkRequest
 
 log = logging.getLogger(__name__)
 
-SUBMIT_ATTEMPTS = 5
-RATE_LIMIT_PATIENCE = 120.0
+
+class VersionWatch:
+    """Which version the engine runs, and the newest one this node knows the trainer has (from leases and
+    announcements). Wakes whoever waits for the engine to come within a staleness bound."""
+
+    def __init__(self) -> None:
+        self.engine = -1
+        self.newest_known = -1
+        self._installed = trio.Event()
+
+    def installed(self, version: int) -> None:
+        self.engine = version
+        self._installed.set()
+        self._installed = trio.Event()
+
+    def heard_of(self, version: int) -> None:
+        self.newest_known = max(self.newest_known, version)
+
+    def behind(self) -> int:
+        return self.newest_known - self.engine
+
+    async def wait_within(self, bound: int, timeout: float) -> bool:
+        """Wait until the engine is at most ``bound`` versions behind; False if ``timeout`` passes first."""
+        with trio.move_on_after(timeout):
+            while self.behind() > bound:
+                await self._installed.wait()
+            return True
+        return False
 
 
 class SamplerRole:
     name = "sampler"
 
-    def __init__(
-        self,
-        swarm_name: str,
-        trainer_id: ID,
-        engine_factory: Callable[[Path, int], Engine],
-        data_dir: Path,
-        provide_interval: float,
-        discover_interval: float,
-        groups_per_request: int = 4,
-    ) -> None:
-        self.swarm_name = swarm_name
-        self.trainer_id = trainer_id
+    def __init__(self, config: NodeConfig, settings: Settings, engine_factory: Callable[[Path, int], Engine]) -> None:
+        if config.trainer_id is None:
+            raise ValueError("a sampler needs the trusted trainer's peer id")
+        self.config = config
+        self.settings = settings.sampler
+        self.weight_settings = settings.weights
+        self.swarm_name = config.swarm
+        self.trainer_id: ID = config.trainer_id
         self.engine_factory = engine_factory
         self.engine: Engine | None = None
         self.engine_ready = trio.Event()
-        self.store = ChunkStore(data_dir / "store")
+        self.store = ChunkStore(config.data_dir / "store")
         self.weight_server = WeightServer(self.store)
-        self.provide_interval = provide_interval
-        self.discover_interval = discover_interval
-        self.groups_per_request = groups_per_request
         self.trainer_found = trio.Event()
         self.samplers: set[str] = set()
         self.groups_sent = 0
@@ -60,7 +81,7 @@ class SamplerRole:
         self.rollouts_rejected = 0
         self.rate_limited = 0
         self.stale_waits = 0
-        self._installed = trio.Event()  # set (and replaced) whenever a version is installed
+        self.versions = VersionWatch()
         self.last_error = ""
         self._engine_lock = trio.Lock()
 
@@ -68,16 +89,19 @@ class SamplerRole:
         self.swarm = swarm
         self.weight_server.register(swarm.host)
         self.weights = WeightSync(
-            swarm, self.store, swarm.gossip, self.swarm_name, self.trainer_id, self.install_version
+            swarm,
+            self.store,
+            swarm.gossip,
+            self.swarm_name,
+            self.trainer_id,
+            self.install_version,
+            self.weight_settings,
         )
 
     async def install_version(self, version: int, path: Path) -> None:
         """First version: build the engine. Later ones: hot-swap, after any in-flight group finishes."""
-        try:
-            await self._install(version, path)
-        finally:
-            self._installed.set()
-            self._installed = trio.Event()
+        await self._install(version, path)
+        self.versions.installed(version)
 
     async def _install(self, version: int, path: Path) -> None:
         if self.engine is None:
@@ -86,13 +110,15 @@ class SamplerRole:
             log.info("engine %s/%s ready at version %d", self.engine.name, self.engine.quant, version)
             return
         async with self._engine_lock:
-            await trio.to_thread.run_sync(self.engine.load_checkpoint, path, version)
+            await trio.to_thread.run_sync(self.engine.swap, path, version)
         log.info("hot-swapped to version %d", version)
 
     async def run(self, swarm: Swarm) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.weights.run)
-            nursery.start_soon(provide_forever, swarm, role_key(self.swarm_name, "sampler"), self.provide_interval)
+            nursery.start_soon(
+                provide_forever, swarm, role_key(self.swarm_name, "sampler"), self.config.provide_interval
+            )
             nursery.start_soon(self._discover_loop, swarm)
             nursery.start_soon(self._work_loop, swarm)
 
@@ -108,7 +134,8 @@ class SamplerRole:
                         self.samplers.add(str(info.peer_id))
                     except Exception as exc:
                         log.debug("cannot reach sampler %s: %s", info.peer_id, exc)
-            await trio.sleep(self.discover_interval if not self.trainer_found.is_set() else 4 * self.discover_interval)
+            interval = self.config.discover_interval
+            await trio.sleep(interval if not self.trainer_found.is_set() else 4 * interval)
 
     def _trainer_connected(self, swarm: Swarm) -> bool:
         return self.trainer_id in swarm.host.get_connected_peers()
@@ -140,7 +167,7 @@ class SamplerRole:
                     swarm.host,
                     self.trainer_id,
                     work.PROTOCOL_ID,
-                    WorkRequest(self.groups_per_request).to_wire(),
+                    WorkRequest(self.settings.groups_per_request).to_wire(),
                     max_request=work.MAX_FRAME,
                     max_reply=work.MAX_FRAME,
                 )
@@ -167,23 +194,16 @@ class SamplerRole:
                 group = await self.sample_group(lease, spec)
                 await self.submit(swarm, group)
 
-    def versions_behind(self, lease: WorkLease) -> int:
-        """How far this engine trails the newest version we know the trainer has (lease or announcements)."""
-        assert self.engine is not None
-        newest = max(lease.version, self.weights.target[0] if self.weights.target else -1)
-        return newest - self.engine.version
-
     async def _fresh_enough(self, lease: WorkLease) -> bool:
         """Don't sample what the trainer will refuse as stale: wait for newer weights (up to the lease's life)."""
-        if lease.max_staleness is None or self.versions_behind(lease) <= lease.max_staleness:
+        self.versions.heard_of(lease.version)
+        if self.weights.target is not None:
+            self.versions.heard_of(self.weights.target[0])
+        if lease.max_staleness is None or self.versions.behind() <= lease.max_staleness:
             return True
         self.stale_waits += 1
-        log.info("%d versions behind the trainer: waiting for weights before sampling", self.versions_behind(lease))
-        with trio.move_on_after(lease.expires_in):
-            while self.versions_behind(lease) > lease.max_staleness:
-                await self._installed.wait()
-            return True
-        return False
+        log.info("%d versions behind the trainer: waiting for weights before sampling", self.versions.behind())
+        return await self.versions.wait_within(lease.max_staleness, lease.expires_in)
 
     async def sample_group(self, lease: WorkLease, spec: TaskSpec) -> RolloutGroup:
         """Generate one group on one engine version (the lock keeps a hot swap out until it finishes)."""
@@ -221,9 +241,9 @@ class SamplerRole:
         """Send a group until it is acknowledged; resends are safe (the trainer dedupes by rollout id).
 
         Being told to slow down is not a failure: the group waits as long as the trainer asks, up to
-        RATE_LIMIT_PATIENCE seconds in all (after that it would be too stale to train on anyway)."""
+        ``rate_limit_patience`` seconds in all (after that it would be too stale to train on anyway)."""
         attempt, waited = 0, 0.0
-        while attempt < SUBMIT_ATTEMPTS:
+        while attempt < self.settings.submit_attempts:
             try:
                 reply = await request(
                     swarm.host,
@@ -232,12 +252,12 @@ class SamplerRole:
                     group.to_wire(),
                     max_request=rollouts.MAX_FRAME,
                     max_reply=rollouts.MAX_ACK_FRAME,
-                    timeout=120.0,
+                    timeout=self.config.rollout_timeout,
                 )
                 ack = RolloutAck.from_wire(reply)
             except RemoteError as exc:
                 self.last_error = str(exc)
-                if exc.code == "rate_limited" and waited < RATE_LIMIT_PATIENCE:
+                if exc.code == "rate_limited" and waited < self.settings.rate_limit_patience:
                     self.rate_limited += 1
                     pause = min(exc.retry_after or 1.0, 30.0)
                     waited += pause
@@ -257,7 +277,7 @@ class SamplerRole:
                 self.last_error = ack.rejected[0][1]
                 log.info("trainer rejected group %s: %s", group.group_id, ack.rejected[0][1])
             return ack
-        log.warning("gave up on group %s after %d attempts (%s)", group.group_id, SUBMIT_ATTEMPTS, self.last_error)
+        log.warning("gave up on group %s after %d attempts (%s)", group.group_id, attempt, self.last_error)
         return None
 
     def status(self) -> dict[str, Any]:

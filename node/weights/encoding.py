@@ -1,4 +1,5 @@
-"""How model.safetensors travels: as trained (fp32), or int8 rowwise (1 byte per parameter, dequantized on arrival).
+"""How model.safetensors travels: as trained (fp32), or int8 rowwise (1 byte per parameter, dequantized on
+arrival). numpy only: a sampler never needs torch for this.
 
 int8 rowwise: each 2-D float tensor becomes an int8 tensor plus one fp32 scale per row (absmax / 127).
 The receiver turns it back into an fp32 safetensors file that stock transformers and mlx-lm open.
@@ -6,29 +7,30 @@ The receiver turns it back into an fp32 safetensors file that stock transformers
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 SCALE_SUFFIX = ".__int8_scale__"
 
 
-def encode_int8(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
+def encode_int8(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
     for name, t in state.items():
-        if t.dim() == 2 and t.is_floating_point():
-            w = t.float()
-            scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-            out[name] = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
-            out[name + SCALE_SUFFIX] = scale.contiguous()
+        if t.ndim == 2 and np.issubdtype(t.dtype, np.floating):
+            w = t.astype(np.float32)
+            scale = np.maximum(np.abs(w).max(axis=1) / np.float32(127.0), np.float32(1e-12)).astype(np.float32)
+            q = np.clip(np.round(w / scale[:, None]), -127, 127).astype(np.int8)
+            out[name] = np.ascontiguousarray(q)
+            out[name + SCALE_SUFFIX] = np.ascontiguousarray(scale)
         else:
-            out[name] = t.contiguous()
+            out[name] = np.ascontiguousarray(t)
     return out
 
 
-def decode_int8(encoded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
+def decode_int8(encoded: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
     for name, t in encoded.items():
         if name.endswith(SCALE_SUFFIX):
             continue
         scale = encoded.get(name + SCALE_SUFFIX)
-        out[name] = (t.float() * scale[:, None]).contiguous() if scale is not None else t
+        out[name] = np.ascontiguousarray(t.astype(np.float32) * scale[:, None]) if scale is not None else t
     return out

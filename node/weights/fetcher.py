@@ -1,11 +1,11 @@
 """Downloads one version's missing chunks from several peers at once, rarest first, verifying each chunk.
 
-- Peers' have-bitfields are polled on an interval; the seed (trainer) holds everything.
+- Peers' have-bitfields are polled on an interval; the origin (the trainer) holds everything.
 - Each peer gets a few workers; a worker asks its peer for a small batch of the rarest chunks that the
-  peer holds and nobody is fetching yet. The seed is asked only for chunks no other peer holds (or
+  peer holds and nobody is fetching yet. The origin is asked only for chunks no other peer holds (or
   when nothing else is moving), which keeps the trainer's upload near one copy of the model.
 - Every chunk's blake3 is checked before it is stored. A peer that serves a bad chunk gets a strike
-  (two and it is never used again); the chunk goes back to the pool and is fetched elsewhere.
+  (node/strikes.py; banned peers are never asked again); the chunk goes back to the pool and is fetched elsewhere.
 - A peer that vanishes mid-transfer just loses its workers; its chunks go back to the pool.
 """
 
@@ -21,24 +21,11 @@ from libp2p.abc import IHost
 from libp2p.peer.id import ID
 
 from node.rpc import request
+from node.strikes import Strikes
 from node.weights.store import BadChunk, ChunkStore
 from protocols import weights as w
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class PeerPenalties:
-    """Strikes for serving corrupt chunks, shared across downloads; ``limit`` strikes and a peer is out."""
-
-    limit: int = 2
-    strikes: dict[ID, int] = field(default_factory=dict)
-
-    def strike(self, peer: ID) -> None:
-        self.strikes[peer] = self.strikes.get(peer, 0) + 1
-
-    def banned(self, peer: ID) -> bool:
-        return self.strikes.get(peer, 0) >= self.limit
 
 
 @dataclass
@@ -55,9 +42,9 @@ class Download:
         store: ChunkStore,
         manifest: w.Manifest,
         manifest_id: bytes,
-        seed: ID | None,
+        origin: ID | None,
         peers: Callable[[], list[ID]],
-        penalties: PeerPenalties,
+        strikes: Strikes,
         *,
         workers_per_peer: int = 1,
         batch: int = w.MAX_CHUNKS_PER_REQUEST,
@@ -68,9 +55,9 @@ class Download:
         self.store = store
         self.manifest = manifest
         self.mid = manifest_id
-        self.seed = seed
+        self.origin = origin
         self.peers = peers
-        self.penalties = penalties
+        self.strikes = strikes
         self.workers_per_peer = workers_per_peer
         # Replies stay <= ~1 MiB: py-libp2p's yamux can deadlock when two peers push big replies to each
         # other over one connection (each read loop blocks writing a window update); small replies keep
@@ -101,12 +88,12 @@ class Download:
 
     # -- choosing chunks ---------------------------------------------------------------------------------
     def rarity(self, i: int, exclude: ID | None = None) -> int:
-        return sum(1 for p, bits in self.holders.items() if i in bits and p != exclude and p != self.seed)
+        return sum(1 for p, bits in self.holders.items() if i in bits and p != exclude and p != self.origin)
 
     def pick(self, peer: ID) -> list[int]:
         bits = self.holders.get(peer, set())
         candidates = [i for i in self.missing if i in bits and i not in self.in_flight]
-        if peer == self.seed:
+        if peer == self.origin:
             unique = [i for i in candidates if self.rarity(i) == 0]
             candidates = unique or (candidates if not self.in_flight else [])
         candidates.sort(key=lambda i: (self.rarity(i, exclude=peer), self._order[i]))
@@ -124,14 +111,14 @@ class Download:
 
     async def _poll_haves(self, nursery: trio.Nursery) -> None:
         while True:
-            candidates = [p for p in self.peers() if not self.penalties.banned(p)]
-            if self.seed is not None and self.seed not in candidates and not self.penalties.banned(self.seed):
-                candidates.append(self.seed)
+            candidates = [p for p in self.peers() if not self.strikes.is_banned(p)]
+            if self.origin is not None and self.origin not in candidates and not self.strikes.is_banned(self.origin):
+                candidates.append(self.origin)
             async with trio.open_nursery() as polls:
                 for peer in candidates:
                     polls.start_soon(self._poll_one, peer)
             for peer in list(self.holders):
-                while self.workers.get(peer, 0) < self.workers_per_peer and not self.penalties.banned(peer):
+                while self.workers.get(peer, 0) < self.workers_per_peer and not self.strikes.is_banned(peer):
                     self.workers[peer] = self.workers.get(peer, 0) + 1
                     nursery.start_soon(self._worker, peer)
             self._poke()
@@ -156,7 +143,7 @@ class Download:
     async def _worker(self, peer: ID) -> None:
         failures = 0
         try:
-            while self.missing and not self.penalties.banned(peer) and failures < 3:
+            while self.missing and not self.strikes.is_banned(peer) and failures < 3:
                 batch = self.pick(peer)
                 if not batch:
                     with trio.move_on_after(self.have_interval):
@@ -196,7 +183,7 @@ class Download:
                 await trio.to_thread.run_sync(self.store.write, h, data)  # checks blake3 before storing
             except BadChunk:
                 self.stats.bad_chunks += 1
-                self.penalties.strike(peer)
+                self.strikes.strike(peer)
                 log.warning("peer %s served a corrupt chunk %s; fetching it elsewhere", peer, h.hex()[:12])
                 continue
             self.missing.discard(self.index[h])

@@ -1,4 +1,4 @@
-"""Cutting a checkpoint directory into chunks, and signing / verifying the manifest that lists them.
+"""Cutting a model directory into chunks, and signing / verifying the manifest that lists them.
 
 Chunks never straddle two tensors of the weight file: a tensor that did not change between versions
 yields the same chunks, so a new version costs only its changed tensors.
@@ -60,13 +60,13 @@ def cut(data: bytes, boundaries: list[int], chunk_size: int) -> list[tuple[int, 
 
 
 @dataclass
-class CutCheckpoint:
+class CutModelDir:
     files: list[FileEntry]
     tensors: list[TensorEntry]
     chunks: dict[bytes, bytes]
 
 
-def cut_checkpoint(model_dir: Path, chunk_size: int) -> CutCheckpoint:
+def cut_model_dir(model_dir: Path, chunk_size: int) -> CutModelDir:
     files, chunks, tensors = [], {}, []
     for path in sorted(p for p in Path(model_dir).iterdir() if p.is_file()):
         data = path.read_bytes()
@@ -81,7 +81,7 @@ def cut_checkpoint(model_dir: Path, chunk_size: int) -> CutCheckpoint:
             chunks[h] = piece
             hashes.append(h)
         files.append(FileEntry(path.name, len(data), hashes))
-    return CutCheckpoint(files, tensors, chunks)
+    return CutModelDir(files, tensors, chunks)
 
 
 def sign_manifest(manifest: Manifest, key_pair: KeyPair) -> SignedManifest:

@@ -20,14 +20,15 @@ class NotFound(ProtocolError):
 
 
 class WeightServer:
-    """``super_seed`` (the trainer): a chunk is served again only once every chunk of the newest version
-    has been served as often, or ``reserve_after`` seconds after it was last served (the copy may have
-    been lost with its peer). So the first copies go to different peers, who then swap them: this keeps
-    the trainer's upload near one model per version however many samplers ask at once."""
+    """``origin`` (the trainer, which holds every version first) serves like a BitTorrent super-seeder: a chunk
+    is served again only once every chunk of the newest version has been served as often, or ``reserve_after``
+    seconds after it was last served (the copy may have been lost with its peer). So the first copies go to
+    different peers, who then swap them: this keeps the trainer's upload near one model per version however
+    many samplers ask at once."""
 
-    def __init__(self, store: ChunkStore, super_seed: bool = False, reserve_after: float = 3.0) -> None:
+    def __init__(self, store: ChunkStore, origin: bool = False, reserve_after: float = 3.0) -> None:
         self.store = store
-        self.super_seed = super_seed
+        self.origin = origin
         self.reserve_after = reserve_after
         self._last_served: dict[bytes, float] = {}
         self.bytes_served = 0
@@ -42,7 +43,7 @@ class WeightServer:
         return min((self._served.get(h, 0) for h in latest[2].all_chunks()), default=0)
 
     def _may_serve(self, h: bytes, floor: int) -> bool:
-        if not self.super_seed or self._served.get(h, 0) <= floor:
+        if not self.origin or self._served.get(h, 0) <= floor:
             return True
         return time.monotonic() - self._last_served.get(h, 0.0) > self.reserve_after
 
@@ -65,7 +66,7 @@ class WeightServer:
             return entry[0].to_wire()
         if kind == "get_chunks":
             found, missing = [], []
-            floor = self._floor() if self.super_seed else 0
+            floor = self._floor() if self.origin else 0
             for h in arg:
                 if not self._may_serve(h, floor):
                     self.throttled += 1

@@ -1,4 +1,4 @@
-"""On-disk content-addressed store: chunks by blake3 hash, signed manifests, reassembled checkpoints.
+"""On-disk content-addressed store: chunks by blake3 hash, signed manifests, reassembled version model dirs.
 
 Chunks are shared across versions (a chunk is stored once, whatever references it), every write is
 verified and atomic (tmp + rename), so a node killed mid-download resumes with what it already has.
@@ -11,8 +11,8 @@ import shutil
 from pathlib import Path
 
 import msgpack
-import torch
-from safetensors.torch import load_file, save_file
+import numpy as np
+from safetensors.numpy import load_file, save_file
 
 from node.weights.encoding import decode_int8
 from node.weights.manifest import WEIGHTS_FILE, chunk_hash, manifest_id
@@ -30,8 +30,8 @@ class ChunkStore:
         self.root = Path(root)
         self.chunk_dir = self.root / "chunks"
         self.manifest_dir = self.root / "manifests"
-        self.checkpoint_dir = self.root / "checkpoints"
-        for d in (self.chunk_dir, self.manifest_dir, self.checkpoint_dir):
+        self.versions_dir = self.root / "versions"
+        for d in (self.chunk_dir, self.manifest_dir, self.versions_dir):
             d.mkdir(parents=True, exist_ok=True)
         self._present: set[bytes] = {bytes.fromhex(p.name) for p in self.chunk_dir.glob("*/*") if len(p.name) == 64}
         self._manifests: dict[bytes, tuple[SignedManifest, Manifest]] = {}
@@ -109,13 +109,13 @@ class ChunkStore:
                 bits[i // 8] |= 0x80 >> (i % 8)
         return bytes(bits)
 
-    # -- checkpoints -------------------------------------------------------------------------------------
+    # -- model dirs --------------------------------------------------------------------------------------
     def assemble(self, manifest: Manifest) -> Path:
-        """Write the version as an HF checkpoint directory (int8 weights are dequantized to fp32)."""
-        out = self.checkpoint_dir / f"v{manifest.version}"
+        """Write the version as an HF model directory (int8 weights are dequantized to fp32)."""
+        out = self.versions_dir / f"v{manifest.version}"
         if (out / ".complete").exists():
             return out
-        tmp = self.checkpoint_dir / f"v{manifest.version}.tmp"
+        tmp = self.versions_dir / f"v{manifest.version}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         for f in manifest.files:
@@ -130,7 +130,7 @@ class ChunkStore:
         if manifest.encoding == "int8":
             weights = load_file(str(tmp / WEIGHTS_FILE))
             save_file(
-                {k: v.to(torch.float32) for k, v in decode_int8(weights).items()},
+                {k: v.astype(np.float32) for k, v in decode_int8(weights).items()},
                 str(tmp / WEIGHTS_FILE),
                 metadata={"format": "pt"},
             )
@@ -141,7 +141,7 @@ class ChunkStore:
 
     def gc(self, keep: int) -> int:
         """Keep the newest ``keep`` complete versions, and up to ``keep`` newer ones still arriving; drop other
-        manifests, their checkpoints and unreferenced chunks. (Counting incomplete versions against ``keep``
+        manifests, their model dirs and unreferenced chunks. (Counting incomplete versions against ``keep``
         would let a burst of announcements delete the only version a restarted node could start from.)"""
         by_version = sorted(self._manifests.items(), key=lambda kv: kv[1][1].version, reverse=True)
         complete = [mid for mid, (_, m) in by_version if not self.missing(m)]
@@ -152,7 +152,7 @@ class ChunkStore:
             if mid in kept:
                 continue
             (self.manifest_dir / f"{mid.hex()}.bin").unlink(missing_ok=True)
-            shutil.rmtree(self.checkpoint_dir / f"v{m.version}", ignore_errors=True)
+            shutil.rmtree(self.versions_dir / f"v{m.version}", ignore_errors=True)
             del self._manifests[mid]
         return self._drop_unreferenced()
 

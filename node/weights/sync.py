@@ -1,5 +1,5 @@
 """Keeps a node on the newest policy version: learns of versions by gossip (and by asking the trainer),
-accepts only manifests signed by the trusted trainer, downloads, reassembles, hands the checkpoint over,
+accepts only manifests signed by the trusted trainer, downloads, reassembles, hands the model dir over,
 then announces that it holds the version so others fetch from it."""
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from libp2p.peer.id import ID
 
 from node.host import Swarm
 from node.rpc import request
-from node.weights.fetcher import Download, PeerPenalties
+from node.settings import WeightSettings
+from node.strikes import Strikes
+from node.weights.fetcher import Download
 from node.weights.gossip import Gossip, announce_topic
 from node.weights.manifest import ForgedManifest, manifest_id, verify_manifest
 from node.weights.store import ChunkStore
@@ -33,24 +35,18 @@ class WeightSync:
         swarm_name: str,
         trainer_id: ID,
         on_version: Callable[[int, Path], Awaitable[None]],
-        *,
-        poll_interval: float = 5.0,
-        keep_versions: int = 3,
-        finish_fraction: float = 0.5,
-        stall_timeout: float = 10.0,
+        settings: WeightSettings | None = None,
     ) -> None:
+        settings = settings or WeightSettings()
         self.swarm = swarm
         self.store = store
         self.gossip = gossip
         self.swarm_name = swarm_name
         self.trainer_id = trainer_id
         self.on_version = on_version
-        self.poll_interval = poll_interval
-        self.keep_versions = keep_versions
-        self.finish_fraction = finish_fraction
+        self.settings = settings
         self._cancelled_in_a_row = 0
-        self.stall_timeout = stall_timeout
-        self.penalties = PeerPenalties()
+        self.strikes = Strikes(limit=2)  # corrupt chunks and forged manifests: two and a peer is never asked again
         self.current: int = -1
         self.target: tuple[int, bytes, w.Manifest] | None = None
         self.forged_manifests = 0
@@ -73,7 +69,7 @@ class WeightSync:
         """What a user (or a test harness) wants to see: where this node is and where it is going."""
         out: dict[str, Any] = {
             "weights_version": self.current,
-            "peers_struck": {str(p): n for p, n in self.penalties.strikes.items()},
+            "peers_struck": dict(self.strikes.counts),
             "forged_manifests": self.forged_manifests,
         }
         d = self.download
@@ -93,7 +89,7 @@ class WeightSync:
         while True:
             if self.trainer_id in self.swarm.host.get_connected_peers():
                 await self.consider(self.trainer_id, None)
-            await trio.sleep(self.poll_interval)
+            await trio.sleep(self.settings.poll_interval)
 
     async def consider(self, peer: ID, mid: bytes | None) -> None:
         """Fetch a manifest from ``peer``; if the trusted trainer signed it and it is newer, make it the target."""
@@ -113,7 +109,7 @@ class WeightSync:
                 manifest = verify_manifest(signed, self.trainer_id, self.swarm_name)
             except ForgedManifest as exc:
                 self.forged_manifests += 1
-                self.penalties.strike(peer)
+                self.strikes.strike(peer)
                 log.warning("rejected a manifest from %s: %s", peer, exc)
                 return
             except (ProtocolError, Exception) as exc:
@@ -140,7 +136,19 @@ class WeightSync:
             await self._target_changed.wait()
             self._target_changed = trio.Event()
             version, mid, manifest = self.target
-            download = Download(self.swarm.host, self.store, manifest, mid, self.trainer_id, self.peers, self.penalties)
+            s = self.settings
+            download = Download(
+                self.swarm.host,
+                self.store,
+                manifest,
+                mid,
+                self.trainer_id,
+                self.peers,
+                self.strikes,
+                workers_per_peer=s.workers_per_peer,
+                have_interval=s.have_interval,
+                request_timeout=s.request_timeout,
+            )
             self.download = download
             with trio.CancelScope() as scope:
                 async with trio.open_nursery() as nursery:
@@ -160,13 +168,13 @@ class WeightSync:
         A download being finished that stops moving (its last chunks were garbage-collected everywhere) is
         cancelled after ``stall_timeout`` seconds without progress."""
         await self._target_changed.wait()
-        if download.fraction_done() < self.finish_fraction and self._cancelled_in_a_row == 0:
+        if download.fraction_done() < self.settings.finish_fraction and self._cancelled_in_a_row == 0:
             scope.cancel()
             return
         log.info("version %d is %.0f%% here: finishing it first", version, 100 * download.fraction_done())
         while True:
             left = len(download.missing)
-            await trio.sleep(self.stall_timeout)
+            await trio.sleep(self.settings.stall_timeout)
             if len(download.missing) == left:
                 log.warning("version %d stalled with %d chunks to go; moving on to the newest", version, left)
                 scope.cancel()
@@ -180,4 +188,4 @@ class WeightSync:
             await self.gossip.publish(announce_topic(self.swarm_name), w.announce(manifest.version, mid))
         except Exception as exc:
             log.debug("announce failed: %s", exc)
-        await trio.to_thread.run_sync(self.store.gc, self.keep_versions)
+        await trio.to_thread.run_sync(self.store.gc, self.settings.keep_versions)

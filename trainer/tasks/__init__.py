@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import Protocol, runtime_checkable
 
-from node.errors import UserError
+from trainer.errors import UserError
 
 
 @runtime_checkable

@@ -1,22 +1,24 @@
-"""The trainer's policy: a transformers causal LM in fp32 and the per-token logprobs GRPO and verification need."""
+"""The policy as a transformers causal LM: loading it, saving it as a model directory, and the per-token
+logprobs that GRPO and verification need."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
 import transformers
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
-from node.checkpoint import inspect_checkpoint
-from node.errors import UserError
+from trainer.errors import UserError
+from trainer.model_dir import TOKENIZER_FILES, flatten_rope_theta, inspect_model_dir
 
 transformers.utils.logging.disable_progress_bar()
 transformers.utils.logging.set_verbosity_error()
 
 
 def load_model(model_dir: Path) -> PreTrainedModel:
-    inspect_checkpoint(model_dir)
+    inspect_model_dir(model_dir)
     try:
         return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     except Exception as exc:
@@ -28,6 +30,19 @@ def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerFast:
         return PreTrainedTokenizerFast.from_pretrained(model_dir)
     except Exception as exc:
         raise UserError(f"cannot load the tokenizer in {model_dir}: {exc}") from None
+
+
+def save_model_dir(model: PreTrainedModel, out: Path, tokenizer_source: Path) -> Path:
+    """Write ``model`` as a model directory that stock transformers and mlx-lm open (tokenizer files copied from
+    ``tokenizer_source``, rope_theta flat)."""
+    out = Path(out)
+    shutil.rmtree(out, ignore_errors=True)
+    model.save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_source / name).exists() and not (out / name).exists():
+            shutil.copy(tokenizer_source / name, out / name)
+    flatten_rope_theta(out)
+    return out
 
 
 def token_logprobs(

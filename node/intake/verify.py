@@ -4,25 +4,25 @@ Checks, cheapest first: the claimed sampler id is the stream's authenticated pee
 peer's, and holds this seed; the prompt equals the one the trainer builds from (task, seed); the group size
 and sampling parameters match the lease; the version is not too stale. Then rewards are recomputed (a claimed
 reward that differs is forgery) and the claimed logprobs are compared with the trainer's recomputation at the
-claimed version, within a tolerance that depends on the sampler's quantization. Forgeries cost the peer a
-strike; after ``max_strikes`` it is banned.
+claimed version (``score``, given by the trainer role: the learner's), within a tolerance that depends on
+the sampler's quantization. ``Forged`` means the peer lied (the intake strikes it); ``Rejected`` is refusal
+without blame.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import trio
 
-from protocols.rollouts import RolloutAck, RolloutGroup
-from trainer.buffer import RolloutBuffer, VerifiedGroup
-from trainer.leases import LeaseBook
-from trainer.scorer import Scorer
+from node.intake.leases import LeaseBook
+from protocols.rollouts import RolloutGroup
+from trainer.groups import Group
 from trainer.tasks import Task
 
-log = logging.getLogger(__name__)
+# score(version, prompts, completions, temperature) -> per-token logprobs at that version, or None when the
+# version is no longer kept. Blocking (a forward pass): called from a worker thread.
+ScoreFn = Callable[[int, list[list[int]], list[list[int]], float], list[list[float]] | None]
 
 # (mean |diff|, max |diff|) allowed between claimed and recomputed per-token logprobs, by sampler quantization.
 # Measured on the tiny model: fp32 MLX vs torch ~5e-7, int8 ~5e-3 max; int4 is an order of magnitude looser.
@@ -42,49 +42,26 @@ class Forged(Exception):
     """The group contradicts what the trainer can check: the peer lied."""
 
 
-@dataclass
-class PeerBook:
-    max_strikes: int = 3
-    strikes: dict[str, int] = field(default_factory=dict)
-    banned: set[str] = field(default_factory=set)
-
-    def strike(self, peer: str) -> None:
-        self.strikes[peer] = self.strikes.get(peer, 0) + 1
-        if self.strikes[peer] >= self.max_strikes:
-            self.banned.add(peer)
-
-
 class RolloutVerifier:
     def __init__(
         self,
         task: Task,
         leases: LeaseBook,
-        buffer: RolloutBuffer,
-        scorer: Scorer,
-        decode: Callable[[list[int]], str],
+        score: ScoreFn,
+        completion_text: Callable[[list[int]], str],
         eos_ids: tuple[int, ...],
         max_staleness: int,
         tolerances: dict[str, tuple[float, float]] | None = None,
-        peers: PeerBook | None = None,
     ) -> None:
         self.task = task
         self.leases = leases
-        self.buffer = buffer
-        self.scorer = scorer
-        self.decode = decode
+        self.score = score
+        self.completion_text = completion_text
         self.eos_ids = eos_ids
         self.max_staleness = max_staleness
         self.tolerances = tolerances or DEFAULT_TOLERANCES
-        self.peers = peers or PeerBook()
-        self.rejected = 0
-        self.forged = 0
 
-    def completion_text(self, ids: list[int]) -> str:
-        if ids and ids[-1] in self.eos_ids:
-            ids = ids[:-1]
-        return self.decode(ids)
-
-    def _check_lease(self, g: RolloutGroup, remote: str, current_version: int) -> None:
+    def check_lease(self, g: RolloutGroup, remote: str, current_version: int) -> None:
         if g.sampler != remote:
             raise Forged(f"group claims sampler {g.sampler} but arrived from {remote}")
         rec = self.leases.get(g.lease_id)
@@ -115,10 +92,11 @@ class RolloutVerifier:
             if any(t in self.eos_ids for t in s.completion_ids[:-1]):
                 raise Forged("a completion continues after a stop token")
 
-    def _check_logprobs(self, g: RolloutGroup) -> list[list[float]]:
+    def check_logprobs(self, g: RolloutGroup) -> list[list[float]]:
+        """The trainer's own logprobs at the rollout's version, if the claimed ones agree with them."""
         prompts = [g.prompt_ids] * len(g.samples)
         comps = [s.completion_ids for s in g.samples]
-        ours = self.scorer.logprobs(g.version, prompts, comps, g.temperature)
+        ours = self.score(g.version, prompts, comps, g.temperature)
         if ours is None:
             raise Rejected(f"version {g.version} is no longer kept for verification")
         mean_tol, max_tol = self.tolerances.get(g.quant, self.tolerances["q4"])
@@ -133,49 +111,29 @@ class RolloutVerifier:
             )
         return ours
 
-    async def verify(self, g: RolloutGroup, remote: str, current_version: int) -> RolloutAck:
-        ids = [s.rollout_id for s in g.samples]
-        if remote in self.peers.banned:
-            return RolloutAck(rejected=[(i, "peer is banned") for i in ids])
-        if all(self.buffer.is_duplicate(i) for i in ids):
-            return RolloutAck(duplicate=ids)
-        try:
-            self._check_lease(g, remote, current_version)
-            rewards, solved = [], []
-            for s in g.samples:
-                text = self.completion_text(s.completion_ids)
-                r = float(self.task.reward(g.seed, text))
-                if s.claimed_reward is not None and abs(s.claimed_reward - r) > 1e-6:
-                    raise Forged(f"claimed reward {s.claimed_reward} but the trainer computes {r}")
-                rewards.append(r)
-                solved.append(bool(self.task.solved(g.seed, text)))
-            old_logprobs = await trio.to_thread.run_sync(self._check_logprobs, g)
-        except Forged as exc:
-            self.forged += 1
-            self.peers.strike(remote)
-            log.warning("forged rollouts from %s: %s", remote, exc)
-            return RolloutAck(rejected=[(i, f"forged: {exc}") for i in ids])
-        except Rejected as exc:
-            self.rejected += 1
-            return RolloutAck(rejected=[(i, str(exc)) for i in ids])
-        if all(self.buffer.is_duplicate(i) for i in ids):  # a resend that raced the original
-            return RolloutAck(duplicate=ids)
-        self.leases.close_seed(g.lease_id, g.seed)
-        self.buffer.add(
-            VerifiedGroup(
-                group_id=g.group_id,
-                peer=remote,
-                version=g.version,
-                task_id=g.task_id,
-                seed=g.seed,
-                prompt_ids=g.prompt_ids,
-                completions=[s.completion_ids for s in g.samples],
-                sampler_logprobs=[s.logprobs for s in g.samples],
-                old_logprobs=old_logprobs,
-                rewards=rewards,
-                solved=solved,
-                temperature=g.temperature,
-            ),
-            ids,
+    async def verify(self, g: RolloutGroup, remote: str, current_version: int) -> Group:
+        """The group as the learner will train on it; raises Forged or Rejected."""
+        self.check_lease(g, remote, current_version)
+        rewards, solved = [], []
+        for s in g.samples:
+            text = self.completion_text(s.completion_ids)
+            r = float(self.task.reward(g.seed, text))
+            if s.claimed_reward is not None and abs(s.claimed_reward - r) > 1e-6:
+                raise Forged(f"claimed reward {s.claimed_reward} but the trainer computes {r}")
+            rewards.append(r)
+            solved.append(bool(self.task.solved(g.seed, text)))
+        old_logprobs = await trio.to_thread.run_sync(self.check_logprobs, g)
+        return Group(
+            group_id=g.group_id,
+            peer=remote,
+            version=g.version,
+            task_id=g.task_id,
+            seed=g.seed,
+            prompt_ids=g.prompt_ids,
+            completions=[s.completion_ids for s in g.samples],
+            sampler_logprobs=[s.logprobs for s in g.samples],
+            old_logprobs=old_logprobs,
+            rewards=rewards,
+            solved=solved,
+            temperature=g.temperature,
         )
-        return RolloutAck(accepted=ids)

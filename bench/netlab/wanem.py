@@ -7,7 +7,7 @@ partition), and writes it back, whereupon the kernel routes it on to the destina
 stay in the kernel (``tbf`` on the veths). Jitter never reorders packets of one pair (TCP hates reordering
 more than delay, and real paths mostly keep order).
 
-Run inside the router namespace: ``python -m tests.netlab.wanem CONFIG.json``. The config maps node IPs to
+Run inside the router namespace: ``python -m bench.netlab.wanem CONFIG.json``. The config maps node IPs to
 regions and gives the link matrix; the harness rewrites it (atomically) to partition or heal, and this loop
 re-reads it when its mtime changes. Counters are written next to it as ``<config>.stats.json``.
 """

@@ -14,10 +14,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.netlab.topology import Lab, Link
 from node.config import write_config_file
 from node.identity import load_or_create_key, peer_id_of
 from node.status import read_status
-from tests.netlab.topology import Lab, Link
 
 REGIONS = ("na", "eu", "asia", "sa")
 _RTT = {
@@ -101,7 +101,7 @@ class WanSwarm:
 
     def start_hostile(self, name: str, mode: str) -> None:
         argv = [
-            sys.executable, "-m", "tests.netlab.hostile", "--mode", mode, "--config", str(self.config),
+            sys.executable, "-m", "bench.netlab.hostile", "--mode", mode, "--config", str(self.config),
             "--data-dir", str(self.root / name), "--listen", f"/ip4/{self.lab.hosts[name].ip}/tcp/{PORT}",
         ]  # fmt: skip
         self.procs[name] = self.lab.popen(name, argv, self.root / f"{name}.log", nice=5)

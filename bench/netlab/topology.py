@@ -109,7 +109,7 @@ class Lab:
             self._write_config()
             sh("ip", "-n", r, "tuntap", "add", "dev", "tun0", "mode", "tun")
             self.wanem = subprocess.Popen(
-                ["ip", "netns", "exec", r, sys.executable, "-m", "tests.netlab.wanem", str(self.config_path)],
+                ["ip", "netns", "exec", r, sys.executable, "-m", "bench.netlab.wanem", str(self.config_path)],
                 cwd=REPO,
                 stdout=subprocess.PIPE,
                 stderr=open(self.workdir / "wanem.log", "w"),

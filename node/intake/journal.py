@@ -19,7 +19,7 @@ from typing import BinaryIO
 
 import msgpack
 
-from trainer.buffer import VerifiedGroup
+from trainer.groups import Group
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def _epochs(root: Path) -> list[int]:
     return sorted(int(p.stem.split("-")[1]) for p in root.glob("journal-*.bin"))
 
 
-def _read(path: Path) -> list[tuple[bool, VerifiedGroup, list[str]]]:
+def _read(path: Path) -> list[tuple[bool, Group, list[str]]]:
     """(is_snapshot, group, rollout ids) for every whole record in a segment."""
     out = []
     data = path.read_bytes()
@@ -46,7 +46,7 @@ def _read(path: Path) -> list[tuple[bool, VerifiedGroup, list[str]]]:
             log.warning("%s ends in a torn record (%d bytes ignored)", path.name, len(data) - pos)
             break
         rec = msgpack.unpackb(data[pos + HEADER.size : pos + HEADER.size + n], raw=False)
-        out.append((rec["snap"], VerifiedGroup(**rec["g"]), rec["ids"]))
+        out.append((rec["snap"], Group(**rec["g"]), rec["ids"]))
         pos += HEADER.size + n
     return out
 
@@ -58,16 +58,16 @@ class RolloutJournal:
         self.epoch = -1
         self._file: BinaryIO | None = None
 
-    def _write(self, snap: bool, group: VerifiedGroup, ids: list[str]) -> None:
+    def _write(self, snap: bool, group: Group, ids: list[str]) -> None:
         assert self._file is not None, "open a segment first"
         body = msgpack.packb({"snap": snap, "g": dataclasses.asdict(group), "ids": ids}, use_bin_type=True)
         self._file.write(HEADER.pack(len(body)) + body)
 
-    def append(self, group: VerifiedGroup, rollout_ids: list[str]) -> None:
+    def append(self, group: Group, rollout_ids: list[str]) -> None:
         self._write(False, group, rollout_ids)
         self._file.flush()  # type: ignore[union-attr]
 
-    def start_segment(self, epoch: int, snapshot: list[tuple[VerifiedGroup, list[str]]]) -> None:
+    def start_segment(self, epoch: int, snapshot: list[tuple[Group, list[str]]]) -> None:
         """Begin segment ``epoch`` with the groups buffered now; later appends go there."""
         if self._file is not None:
             self._file.close()
@@ -85,10 +85,10 @@ class RolloutJournal:
             if e < epoch:
                 _segment(self.root, e).unlink(missing_ok=True)
 
-    def replay(self, epoch: int) -> tuple[list[tuple[VerifiedGroup, list[str]]], list[tuple[VerifiedGroup, list[str]]]]:
+    def replay(self, epoch: int) -> tuple[list[tuple[Group, list[str]]], list[tuple[Group, list[str]]]]:
         """(the snapshot of segment ``epoch``, the groups accepted after it), each group once."""
-        snapshot: list[tuple[VerifiedGroup, list[str]]] = []
-        new: list[tuple[VerifiedGroup, list[str]]] = []
+        snapshot: list[tuple[Group, list[str]]] = []
+        new: list[tuple[Group, list[str]]] = []
         seen: set[str] = set()
         for e in _epochs(self.root):
             if e < epoch:

@@ -1,18 +1,18 @@
-"""The embedded default policy: a tiny Qwen2 with a character tokenizer, built deterministically, no downloads.
+"""The embedded base model: a tiny Qwen2 with a character tokenizer, built deterministically, no downloads.
 
-The result is an ordinary HF checkpoint directory that stock ``transformers`` and ``mlx_lm`` both open.
-rope_theta is written flat into config.json too, because mlx-lm ignores transformers 5's nested
-``rope_parameters`` and would silently use 1e6 (wrong logits).
+The result is an ordinary HF model directory that stock ``transformers`` and ``mlx_lm`` both open (rope_theta
+written flat, see trainer/model_dir.py).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from trainer.model_dir import flatten_rope_theta
 
 SPECIALS = ["<pad>", "<bos>", "<eos>"]
 CHARS = "0123456789+-*/=()<> abcdefghijklmnopqrstuvwxyz,.:?\n"
@@ -51,7 +51,7 @@ def tiny_config(layers: int = 2, hidden: int = 128) -> Qwen2Config:
     )
 
 
-def build_tiny_model(out_dir: Path, seed: int = 0, layers: int = 2, hidden: int = 128) -> Path:
+def build_base_model(out_dir: Path, seed: int = 0, layers: int = 2, hidden: int = 128) -> Path:
     """Write the tiny model + tokenizer to ``out_dir``; the same seed gives the same bytes."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -61,13 +61,3 @@ def build_tiny_model(out_dir: Path, seed: int = 0, layers: int = 2, hidden: int 
     build_tokenizer().save_pretrained(out_dir)
     flatten_rope_theta(out_dir)
     return out_dir
-
-
-def flatten_rope_theta(model_dir: Path) -> None:
-    """Copy a nested rope_theta to the top level of config.json, where mlx-lm looks for it."""
-    path = Path(model_dir) / "config.json"
-    cfg = json.loads(path.read_text())
-    nested = (cfg.get("rope_parameters") or {}).get("rope_theta")
-    if nested is not None and cfg.get("rope_theta") != nested:
-        cfg["rope_theta"] = nested
-        path.write_text(json.dumps(cfg, indent=2, sort_keys=True))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from protocols.work import SamplingParams, TaskSpec, WorkLease
@@ -24,7 +25,7 @@ class LeaseBook:
     def __init__(
         self,
         task: Task,
-        encode,
+        encode: Callable[[str], list[int]],
         group_size: int,
         sampling: SamplingParams,
         ttl: float = 120.0,

@@ -1,0 +1,178 @@
+"""The rollout intake: everything between a sampler's request and a batch the learner can train on, with no
+torch in it.
+
+    work request  -> ban check -> rate limit -> lease (prompts by seed)
+    rollout group -> rate limit -> schema -> ban / duplicate checks -> verification (lease, rewards, logprobs
+                     at the rollout's version via ``score``) -> journal (before the ack) -> buffer -> ack
+    next_batch    <- woken whenever a group arrives; stale and no-signal groups are dropped and counted
+
+The ledger accounts for every accepted group; the journal makes acknowledged groups survive a crash.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from node.intake.buffer import RolloutBuffer, take_batch
+from node.intake.journal import RolloutJournal
+from node.intake.leases import LeaseBook
+from node.intake.ledger import Ledger
+from node.intake.ratelimit import PeerRateLimiter
+from node.intake.verify import Forged, Rejected, RolloutVerifier, ScoreFn
+from node.settings import TrainerSettings
+from node.strikes import Strikes
+from protocols.errors import ProtocolError
+from protocols.rollouts import RolloutAck, RolloutGroup
+from protocols.work import SamplingParams, WorkLease, WorkRequest
+from trainer.groups import Group
+from trainer.tasks import Task
+
+log = logging.getLogger(__name__)
+
+
+class Banned(ProtocolError):
+    code = "banned"
+
+
+class RolloutIntake:
+    def __init__(
+        self,
+        task: Task,
+        encode_prompt: Callable[[str], list[int]],
+        completion_text: Callable[[list[int]], str],
+        eos_ids: tuple[int, ...],
+        score: ScoreFn,
+        journal_dir: Path,
+        settings: TrainerSettings,
+    ) -> None:
+        s = settings
+        self.settings = settings
+        sampling = SamplingParams(s.temperature, s.top_p, s.max_tokens)
+        self.leases = LeaseBook(task, encode_prompt, s.group_size, sampling, s.lease_ttl, max_staleness=s.max_staleness)
+        self.verifier = RolloutVerifier(task, self.leases, score, completion_text, eos_ids, s.max_staleness)
+        self.strikes = Strikes(s.max_strikes)
+        self.work_limit = PeerRateLimiter(s.work_rate, s.work_burst)
+        self.rollout_limit = PeerRateLimiter(s.rollout_rate, s.rollout_burst)
+        self.journal = RolloutJournal(journal_dir)
+        self.buffer = RolloutBuffer(s.max_buffered)
+        self.ledger = Ledger()
+        self.pending = 0  # groups taken for the batch being assembled, not yet trained: still "buffered"
+        self.rejected = 0
+        self.forged = 0
+        self.first_accepted_at: float | None = None  # monotonic time of the first group: the trainer's work starts
+        self._arrived = trio.Event()
+
+    # -- work --------------------------------------------------------------------------------------------
+    def lease(self, message: dict[str, Any], peer: str, version: int) -> WorkLease:
+        req = WorkRequest.from_wire(message)
+        if self.strikes.is_banned(peer):
+            raise Banned("this peer is banned for forged rollouts")
+        self.work_limit.take(peer)
+        return self.leases.issue(peer, min(req.max_groups, self.settings.groups_per_lease), version)
+
+    # -- rollouts ----------------------------------------------------------------------------------------
+    async def submit(self, message: dict[str, Any], peer: str, version: int) -> RolloutAck:
+        """Check one group and, if it is good, journal and buffer it before acknowledging it."""
+        self.rollout_limit.take(peer)  # before any checking: a flood costs only this
+        g = RolloutGroup.from_wire(message)
+        ids = [s.rollout_id for s in g.samples]
+        if self.strikes.is_banned(peer):
+            return RolloutAck(rejected=[(i, "peer is banned") for i in ids])
+        if all(self.buffer.is_duplicate(i) for i in ids):
+            return RolloutAck(duplicate=ids)
+        try:
+            group = await self.verifier.verify(g, peer, version)
+        except Forged as exc:
+            self.forged += 1
+            self.strikes.strike(peer)
+            log.warning("forged rollouts from %s: %s", peer, exc)
+            return RolloutAck(rejected=[(i, f"forged: {exc}") for i in ids])
+        except Rejected as exc:
+            self.rejected += 1
+            return RolloutAck(rejected=[(i, str(exc)) for i in ids])
+        if all(self.buffer.is_duplicate(i) for i in ids):  # a resend that raced the original
+            return RolloutAck(duplicate=ids)
+        self.leases.close_seed(g.lease_id, g.seed)
+        self.journal.append(group, ids)  # on disk before the ack goes out
+        self._buffer(group, ids, count=True)
+        return RolloutAck(accepted=ids)
+
+    def _buffer(self, group: Group, ids: list[str], count: bool) -> None:
+        if count:
+            self.ledger.accept(group.peer, len(ids))
+        if self.first_accepted_at is None:
+            self.first_accepted_at = time.monotonic()
+        self.ledger.groups_stale += self.buffer.add(group, ids)
+        self._arrived.set()
+        self._arrived = trio.Event()
+
+    # -- batches -----------------------------------------------------------------------------------------
+    async def next_batch(self, n_groups: int, version: int) -> list[Group]:
+        """Wait until ``n_groups`` usable groups (fresh enough, with reward variance) have arrived."""
+        batch: list[Group] = []
+        while True:
+            taken = take_batch(self.buffer.queue, n_groups - len(batch), version, self.settings.max_staleness)
+            batch += taken.batch
+            self.pending = len(batch)
+            self.ledger.groups_stale += taken.stale
+            self.ledger.groups_no_signal += taken.no_signal
+            if len(batch) == n_groups:
+                return batch
+            await self._arrived.wait()
+
+    def trained(self, batch: list[Group]) -> None:
+        self.ledger.groups_trained += len(batch)
+        self.pending = 0
+
+    @property
+    def buffered(self) -> int:
+        return len(self.buffer) + self.pending
+
+    # -- crash safety ------------------------------------------------------------------------------------
+    def begin_checkpoint(self) -> dict[str, Any]:
+        """Cut a journal segment holding the groups buffered now (in the event loop, so no accept slips between
+        it and the ledger); returns what the checkpoint must record."""
+        epoch = self.journal.epoch + 1
+        self.journal.start_segment(epoch, self.buffer.snapshot())
+        return {"journal_epoch": epoch, "ledger": self.ledger.to_dict(), "next_seed": self.leases.next_seed}
+
+    def end_checkpoint(self, saved: dict[str, Any]) -> None:
+        """The checkpoint is on disk: drop the journal segments it supersedes."""
+        self.journal.drop_before(saved["journal_epoch"])
+
+    def start(self, saved: dict[str, Any] | None) -> None:
+        """Call once before accepting anything: puts back the ledger and lease cursor of a checkpoint (``saved``,
+        or None for a fresh start), then what it had buffered and everything accepted after it (from the
+        journal), then opens a fresh journal segment."""
+        epoch = 0
+        if saved is not None:
+            self.ledger = Ledger.from_dict(saved.get("ledger", {}))
+            self.leases.next_seed = saved["next_seed"]
+            epoch = saved.get("journal_epoch", 0)
+        snapshot, new = self.journal.replay(epoch)
+        for group, ids in snapshot:
+            self._buffer(group, ids, count=False)
+        for group, ids in new:
+            self._buffer(group, ids, count=True)
+        if snapshot or new:
+            log.info("journal: %d buffered and %d newer accepted groups restored", len(snapshot), len(new))
+        # appends go to a fresh segment after every existing one: earlier segments stay as they are until a
+        # checkpoint supersedes them (a later replay still needs their records)
+        self.journal.start_segment(max(epoch, self.journal.last_epoch()) + 1, [])
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "leases_issued": self.leases.issued,
+            **self.ledger.to_dict(),  # rollouts and groups accepted (per peer too), and every accepted group's fate
+            "groups_buffered": self.buffered,
+            "groups_rejected": self.rejected,
+            "groups_forged": self.forged,
+            "banned": len(self.strikes.banned),
+            "rate_limited": sum(self.rollout_limit.refused.values()) + sum(self.work_limit.refused.values()),
+        }

@@ -1,0 +1,152 @@
+"""Every knob a node has, declared once: dataclasses whose fields carry their help text.
+
+From these come the command-line flags (``add_flags``) and the bootstrap.toml tables ``[trainer]``,
+``[sampler]`` and ``[weights]`` (``[swarm]`` is node/config.py's). Precedence: a flag given on the command
+line, else the file's value, else the default. ``[trainer]`` holds both the trainer role's knobs and the
+learner's (trainer/settings.py), as a user thinks of them as one thing.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from trainer.errors import UserError
+from trainer.settings import LearnerSettings, knob
+
+
+@dataclass
+class TrainerSettings:
+    task: str = knob("reverse", "built-in task name or module:factory")
+    group_size: int = knob(8, "samples per GRPO group")
+    groups_per_lease: int = knob(4, "most groups one lease hands out")
+    temperature: float = knob(1.0, "sampling temperature")
+    top_p: float = knob(1.0, "sampling top-p")
+    max_tokens: int = knob(8, "most new tokens per completion")
+    lease_ttl: float = knob(120.0, "seconds a lease stays valid")
+    max_staleness: int = knob(4, "groups sampled more than this many versions back are refused")
+    batch_groups: int = knob(16, "groups per GRPO step")
+    publish_every: int = knob(1, "publish a new version every N steps")
+    max_steps: int | None = knob(None, "stop after this many steps (default: never)", type=int)
+    checkpoint_every: int = knob(10, "save the trainer's checkpoint every N steps")
+    eval_every: int = knob(5, "greedy evaluation on held-out prompts every N steps")
+    eval_size: int = knob(64, "held-out prompts per evaluation")
+    rollout_rate: float = knob(8.0, "groups/s one peer may submit (token bucket)")
+    rollout_burst: float = knob(32.0, "rollout token bucket size")
+    work_rate: float = knob(2.0, "leases/s one peer may ask for")
+    work_burst: float = knob(8.0, "lease token bucket size")
+    max_strikes: int = knob(3, "forged groups before a peer is banned")
+    max_buffered: int = knob(4096, "most verified groups waiting for a step (the oldest fall off as stale)")
+    linger: float = knob(2.0, "seconds to keep serving weights after --max-steps")
+
+
+@dataclass
+class SamplerSettings:
+    engine: str = knob("auto", "sampling engine", choices=("auto", "mlx", "torch"))
+    bits: str = knob("8", "MLX quantization bits", choices=("8", "4", "none"))
+    groups_per_request: int = knob(4, "groups asked for in one work request")
+    submit_attempts: int = knob(5, "tries to deliver a group when the trainer cannot be reached")
+    rate_limit_patience: float = knob(120.0, "seconds a group may wait on rate-limit refusals before it is dropped")
+
+
+@dataclass
+class WeightSettings:
+    encoding: str = knob("fp32", "how versions travel", flag="weights-encoding", choices=("fp32", "int8"))
+    chunk_size: int = knob(1 << 20, "largest chunk in bytes")
+    announce_interval: float = knob(2.0, "seconds between the trainer's re-announcements of its newest version")
+    poll_interval: float = knob(5.0, "seconds between a node's manifest polls of the trainer")
+    keep_versions: int = knob(3, "complete versions a sampler keeps on disk")
+    finish_fraction: float = knob(0.5, "a download this far along is finished before switching to a newer one")
+    stall_timeout: float = knob(10.0, "seconds without progress before a download being finished is abandoned")
+    have_interval: float = knob(0.5, "seconds between polls of peers' have-bitfields during a download")
+    request_timeout: float = knob(20.0, "seconds for one chunk request")
+    workers_per_peer: int = knob(1, "concurrent chunk requests per peer")
+    reserve_after: float = knob(3.0, "seconds before the trainer serves a chunk again that it already sent out")
+
+
+TABLES: dict[str, tuple[type, ...]] = {
+    "trainer": (TrainerSettings, LearnerSettings),
+    "sampler": (SamplerSettings,),
+    "weights": (WeightSettings,),
+}
+
+
+@dataclass
+class Settings:
+    trainer: TrainerSettings
+    learner: LearnerSettings
+    sampler: SamplerSettings
+    weights: WeightSettings
+
+
+def _flag(f: Any) -> str:
+    return "--" + f.metadata.get("flag", f.name.replace("_", "-"))
+
+
+def _type(f: Any) -> type:
+    return f.metadata.get("type") or type(f.default)
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per knob; each defaults to None so that an unset flag lets the file's value through."""
+    for table, classes in TABLES.items():
+        group = parser.add_argument_group(f"[{table}] settings (also settable in bootstrap.toml)")
+        for cls in classes:
+            for f in fields(cls):
+                group.add_argument(
+                    _flag(f),
+                    dest=f"{cls.__name__}.{f.name}",
+                    type=_type(f),
+                    choices=f.metadata.get("choices"),
+                    default=None,
+                    help=f"{f.metadata['help']} (default: {f.default})",
+                )
+
+
+def _coerce(value: Any, f: Any, where: str) -> Any:
+    kind = _type(f)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if kind is Path and isinstance(value, str):
+        value = Path(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise UserError(f"{where}: expected {kind.__name__}, got {value!r}")
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise UserError(f"{where}: {value!r} is not one of {', '.join(choices)}")
+    return value
+
+
+def parse_tables(data: dict[str, Any], path: Path) -> dict[str, dict[str, Any]]:
+    """The [trainer]/[sampler]/[weights] tables of a parsed bootstrap.toml, checked: {class name: {field: value}}."""
+    out: dict[str, dict[str, Any]] = {cls.__name__: {} for classes in TABLES.values() for cls in classes}
+    for table, classes in TABLES.items():
+        values = data.get(table, {})
+        if not isinstance(values, dict):
+            raise UserError(f"{path}: [{table}] must be a table")
+        known = {f.name: (cls, f) for cls in classes for f in fields(cls)}
+        unknown = set(values) - set(known)
+        if unknown:
+            raise UserError(f"{path}: unknown keys in [{table}]: {', '.join(sorted(unknown))}")
+        for key, value in values.items():
+            cls, f = known[key]
+            if key == "model_dir" and isinstance(value, str):
+                value = path.parent / value  # a relative model dir is relative to the file
+            out[cls.__name__][key] = _coerce(value, f, f"{path} {table}.{key}")
+    return out
+
+
+def build_settings(file_tables: dict[str, dict[str, Any]] | None, args: argparse.Namespace | None) -> Settings:
+    """Defaults, overridden by the file's tables, overridden by flags that were given."""
+
+    def make(cls: type) -> Any:
+        values = dict((file_tables or {}).get(cls.__name__, {}))
+        for f in fields(cls):
+            flag_value = getattr(args, f"{cls.__name__}.{f.name}", None) if args is not None else None
+            if flag_value is not None:
+                values[f.name] = flag_value
+        return replace(cls(), **values)
+
+    return Settings(make(TrainerSettings), make(LearnerSettings), make(SamplerSettings), make(WeightSettings))

@@ -1,0 +1,136 @@
+"""Everything tests share (no test module imports another): in-process swarms (from node.local_swarm), swarms
+of `swarmrl node` processes, the CLI, a stream that delivers bytes in small pieces."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from node.config import write_config_file
+from node.identity import load_or_create_key, peer_id_of
+from node.local_swarm import (
+    LOOPBACK,
+    Running,
+    node_config,
+    settings,
+    start,
+    start_bootstrap,
+    start_sampler,
+    start_trainer,
+    trainer_peer_id,
+    wait_until,
+)
+from node.status import read_status as _read_status
+
+__all__ = [
+    "CLI",
+    "LOOPBACK",
+    "FakeStream",
+    "Running",
+    "free_port",
+    "node_config",
+    "process_swarm",
+    "publish_model",
+    "read_status",
+    "run_cli",
+    "settings",
+    "start",
+    "start_bootstrap",
+    "start_sampler",
+    "start_trainer",
+    "trainer_peer_id",
+    "wait_for",
+    "wait_until",
+]
+
+CLI = [sys.executable, "-P", "-m", "node.cli"]  # -P: data dirs in the cwd must not shadow packages
+
+
+def run_cli(*args: str, cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_status(data_dir: Path) -> dict:
+    """A node's status.json, or {} while it has not written one (or is mid-write)."""
+    try:
+        return _read_status(data_dir)
+    except (OSError, ValueError):
+        return {}
+
+
+def wait_for(
+    predicate: Callable[[], bool],
+    timeout: float,
+    what: str,
+    procs: list[subprocess.Popen] | None = None,
+    log: Path | None = None,
+    interval: float = 0.5,
+) -> None:
+    """Wait (blocking) for ``predicate`` over node processes; fail with ``what`` on timeout, or with the log's
+    tail if a process died first."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        dead = [p for p in procs or [] if p.poll() is not None]
+        if dead:
+            tail = log.read_text()[-2000:] if log and log.exists() else ""
+            raise AssertionError(f"a node exited with code {dead[0].returncode} while waiting for {what}\n{tail}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+def process_swarm(tmp_path: Path, swarm: str, model_dir: Path):
+    """Keys and a bootstrap.toml for a swarm of `swarmrl node` processes on loopback, and a function that starts
+    one (logs appended to <tmp_path>/<name>.log). Returns (bootstrap port, trainer peer id, spawn)."""
+    port = free_port()
+    boot_id = peer_id_of(load_or_create_key(tmp_path / "boot" / "identity.key"))
+    trainer_id = peer_id_of(load_or_create_key(tmp_path / "trainer" / "identity.key"))
+    cfg = tmp_path / "bootstrap.toml"
+    write_config_file(cfg, swarm, [f"/ip4/127.0.0.1/tcp/{port}/p2p/{boot_id}"], str(trainer_id))
+    common = ["--config", str(cfg), "--provide-interval", "2", "--model", str(model_dir), "--status-interval", "0.5"]
+
+    def spawn(role: str, name: str, *extra: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [*CLI, "node", "--role", role, "--data-dir", str(tmp_path / name), *common, *extra],
+            cwd=tmp_path,
+            stdout=open(tmp_path / f"{name}.log", "a"),
+            stderr=subprocess.STDOUT,
+        )
+
+    return port, trainer_id, spawn
+
+
+class FakeStream:
+    """Bytes delivered in small pieces, like py-libp2p's read(); raises StreamEOF at the end."""
+
+    def __init__(self, data: bytes, piece: int = 7) -> None:
+        self.data, self.piece = data, piece
+
+    async def read(self, n=None):
+        from libp2p.network.stream.exceptions import StreamEOF
+
+        if not self.data:
+            raise StreamEOF()
+        out, self.data = self.data[: min(n, self.piece)], self.data[min(n, self.piece) :]
+        return out
+
+    async def write(self, data):  # pragma: no cover - not used
+        pass
+
+
+def publish_model(publisher, model, version: int, tokenizer_source: Path):
+    """Publish a torch model as ``version`` the way the trainer role does: model dir, then cut and sign."""
+    from trainer.model import save_model_dir
+
+    staging = save_model_dir(model, publisher.staging_dir(version), tokenizer_source)
+    return publisher.publish(staging, version)

@@ -1,0 +1,119 @@
+"""The rollout intake without torch or a network: leases, verification against a scoring function, the ledger,
+and a training loop that is woken (not polling) when a batch is ready."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import trio
+import trio.testing
+
+from node.intake import RolloutIntake
+from node.settings import TrainerSettings
+from protocols.rollouts import RolloutGroup, Sample
+from protocols.work import WorkRequest
+from trainer.tasks.reverse import ReverseDigitsTask
+from trainer.text import completion_text
+
+EOS = 2
+CHARS = "0123456789>"
+
+
+def encode(text: str) -> list[int]:
+    return [1] + [10 + CHARS.index(c) for c in text]
+
+
+def decode(ids: list[int]) -> str:
+    return "".join(CHARS[i - 10] for i in ids)
+
+
+def score(version, prompts, completions, temperature):
+    """Stands in for the learner: every token has logprob -1 at every kept version."""
+    return [[-1.0] * len(c) for c in completions]
+
+
+def make_intake(tmp_path, **kw) -> RolloutIntake:
+    settings = TrainerSettings(group_size=2, max_tokens=8, max_staleness=2, **kw)
+    intake = RolloutIntake(
+        ReverseDigitsTask(),
+        encode,
+        lambda ids: completion_text(ids, (EOS,), decode),
+        (EOS,),
+        score,
+        tmp_path / "journal",
+        settings,
+    )
+    intake.start(None)
+    return intake
+
+
+def group_for(intake: RolloutIntake, peer: str, spec, lease, answers: list[str], version: int = 0) -> dict:
+    samples = [
+        Sample(f"{lease.lease_id}/{spec.seed}/{k}", [*encode(a)[1:], EOS], [-1.0] * (len(a) + 1), "stop")
+        for k, a in enumerate(answers)
+    ]
+    return RolloutGroup(
+        f"{lease.lease_id}/{spec.seed}",
+        lease.lease_id,
+        spec.task_id,
+        spec.seed,
+        version,
+        peer,
+        spec.prompt_ids,
+        1.0,
+        1.0,
+        "none",
+        samples,
+    ).to_wire()
+
+
+async def test_groups_are_verified_acked_once_and_wake_the_training_loop(tmp_path):
+    intake = make_intake(tmp_path)
+    task = ReverseDigitsTask()
+    lease = intake.lease(WorkRequest(4).to_wire(), "alice", version=0)
+    right = [task.answer(spec.seed) for spec in lease.tasks]
+    batches: list = []
+
+    async def train_loop() -> None:
+        batches.append(await intake.next_batch(2, version=0))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(train_loop)
+        ack = await intake.submit(group_for(intake, "alice", lease.tasks[0], lease, [right[0], "00000"]), "alice", 0)
+        assert len(ack.accepted) == 2
+        again = await intake.submit(group_for(intake, "alice", lease.tasks[0], lease, [right[0], "00000"]), "alice", 0)
+        assert len(again.duplicate) == 2 and not again.accepted
+        # all rewards equal: accepted (the sampler did its job) but no signal to train on
+        await intake.submit(group_for(intake, "alice", lease.tasks[1], lease, [right[1], right[1]]), "alice", 0)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not batches  # one usable group so far: the loop sleeps until another arrives
+        await intake.submit(group_for(intake, "alice", lease.tasks[2], lease, ["1", right[2]]), "alice", 0)
+    assert [g.seed for g in batches[0]] == [lease.tasks[0].seed, lease.tasks[2].seed]
+    assert batches[0][0].rewards == [1.0, task.reward(lease.tasks[0].seed, "00000")]
+    intake.trained(batches[0])
+    ledger = intake.ledger
+    assert (ledger.groups_accepted, ledger.groups_trained, ledger.groups_no_signal) == (3, 2, 1)
+    assert ledger.unaccounted(intake.buffered) == 0
+
+
+async def test_forgeries_strike_and_ban_while_refusals_do_not(tmp_path):
+    intake = make_intake(tmp_path, max_strikes=2)
+    lease = intake.lease(WorkRequest(4).to_wire(), "mallory", version=3)
+    stale = group_for(intake, "mallory", lease.tasks[0], lease, ["1", "2"], version=0)  # 3 behind, bound 2
+    assert "versions old" in (await intake.submit(stale, "mallory", 3)).rejected[0][1]
+    assert intake.strikes.counts == {}
+    lying = group_for(intake, "mallory", lease.tasks[1], lease, ["1", "2"], version=3)
+    lying["samples"][0]["logprobs"] = [-0.01] * len(lying["samples"][0]["logprobs"])
+    assert "forged" in (await intake.submit(lying, "mallory", 3)).rejected[0][1]
+    other = group_for(intake, "mallory", lease.tasks[2], lease, ["1", "2"], version=3)
+    other["sampler"] = "alice"
+    await intake.submit(other, "mallory", 3)
+    assert intake.strikes.is_banned("mallory") and intake.forged == 2 and intake.rejected == 1
+    assert intake.ledger.groups_accepted == 0
+
+
+def test_the_sampler_and_the_intake_import_no_torch():
+    code = "import node.roles.sampler, node.intake, sys; assert 'torch' not in sys.modules, 'torch was imported'"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -1,0 +1,40 @@
+"""Dependencies point one way: trainer/ never imports node/; bench/ imports no test code; tests share code only
+through tests/helpers.py."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def imported_modules(path: Path) -> set[str]:
+    out = set()
+    for n in ast.walk(ast.parse(path.read_text())):
+        if isinstance(n, ast.Import):
+            out |= {a.name for a in n.names}
+        elif isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
+            out.add(n.module)
+    return out
+
+
+def offenders(folder: str, forbidden) -> list[tuple[str, str]]:
+    return [
+        (str(p.relative_to(ROOT)), m)
+        for p in sorted((ROOT / folder).rglob("*.py"))
+        for m in imported_modules(p)
+        if forbidden(m)
+    ]
+
+
+def test_trainer_never_imports_node_bench_or_tests():
+    assert offenders("trainer", lambda m: m.split(".")[0] in ("node", "bench", "tests")) == []
+
+
+def test_bench_imports_no_test_code():
+    assert offenders("bench", lambda m: m.split(".")[0] == "tests") == []
+
+
+def test_tests_share_code_only_through_helpers():
+    assert offenders("tests", lambda m: m.startswith("tests.") and m != "tests.helpers") == []

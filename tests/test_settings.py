@@ -1,0 +1,68 @@
+"""Settings in one place: every knob has a flag and a bootstrap.toml key; flags > file > defaults."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from node.cli import add_node_args, load_settings
+from node.settings import TABLES
+from trainer.errors import UserError
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_node_args(p)
+    return p.parse_args(["--role", "trainer", *argv])
+
+
+def test_flags_override_the_file_which_overrides_defaults(tmp_path):
+    cfg = tmp_path / "bootstrap.toml"
+    cfg.write_text(
+        '[swarm]\nname = "x"\n'
+        '[trainer]\nlr = 0.1\nbatch_groups = 4\nmodel_dir = "models/base"\n'
+        '[sampler]\nengine = "torch"\n'
+        "[weights]\nchunk_size = 4096\nannounce_interval = 1\n"
+    )
+    s = load_settings(parse("--config", str(cfg), "--lr", "0.2", "--weights-encoding", "int8"))
+    assert s.learner.lr == 0.2  # flag beats file
+    assert s.trainer.batch_groups == 4 and s.sampler.engine == "torch" and s.weights.chunk_size == 4096  # file
+    assert s.weights.encoding == "int8"  # flag
+    assert s.weights.announce_interval == 1.0 and isinstance(s.weights.announce_interval, float)
+    assert s.learner.model_dir == tmp_path / "models" / "base"  # relative to the file
+    assert s.trainer.max_staleness == 4 and s.sampler.groups_per_request == 4  # defaults
+    (tmp_path / "empty.toml").write_text("")
+    plain = load_settings(parse("--config", str(tmp_path / "empty.toml")))
+    assert plain.learner.lr == 3e-3 and plain.weights.encoding == "fp32"
+
+
+def test_every_knob_has_a_flag(tmp_path):
+    for classes in TABLES.values():
+        for cls in classes:
+            for f in fields(cls):
+                flag = "--" + f.metadata.get("flag", f.name.replace("_", "-"))
+                choices = f.metadata.get("choices")
+                text = choices[0] if choices else ("x" if f.metadata.get("type") is Path else "3")
+                args = parse(flag, text)
+                assert getattr(args, f"{cls.__name__}.{f.name}") is not None, flag
+                assert f.metadata["help"], f"{cls.__name__}.{f.name} has no help text"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[trainer]\nlearning_rate = 1\n", "unknown keys in \\[trainer\\]: learning_rate"),
+        ('[trainer]\nlr = "fast"\n', "trainer.lr: expected float"),
+        ('[sampler]\nengine = "cuda-magic"\n', "not one of auto, mlx, torch"),
+        ("[trainers]\nlr = 1\n", "unknown tables or keys trainers"),
+        ("[weights]\nchunk_size = true\n", "expected int"),
+    ],
+)
+def test_bad_values_in_the_file_are_clear_errors(tmp_path, text, message):
+    cfg = tmp_path / "bootstrap.toml"
+    cfg.write_text(text)
+    with pytest.raises(UserError, match=message):
+        load_settings(parse("--config", str(cfg)))

@@ -1,0 +1,67 @@
+"""A local Hugging Face model directory: checked before any engine or learner touches it, so bad input fails
+with a clear error. Imports no torch (samplers use it too).
+
+mlx-lm ignores transformers 5's nested ``rope_parameters`` and would silently use rope_theta 1e6 (wrong
+logits), so every directory this project writes gets rope_theta flat in config.json too.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainer.errors import UserError
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)
+
+
+@dataclass(frozen=True)
+class ModelDirInfo:
+    path: Path
+    config: dict[str, Any]
+    model_type: str
+    eos_ids: tuple[int, ...]
+    rope_theta: float | None
+
+
+def inspect_model_dir(path: Path) -> ModelDirInfo:
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"model directory {path} is not a directory")
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise UserError(f"model directory {path} has no config.json (is it a Hugging Face model directory?)")
+    try:
+        config = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{cfg_path} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{cfg_path} must hold a JSON object")
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UserError(f"model directory {path}: model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
+    if not any(path.glob("*.safetensors")):
+        raise UserError(f"model directory {path} has no *.safetensors weight files")
+    eos = config.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    rope = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta")
+    return ModelDirInfo(path, config, model_type, eos_ids, float(rope) if rope is not None else None)
+
+
+def flatten_rope_theta(model_dir: Path) -> None:
+    """Copy a nested rope_theta to the top level of config.json, where mlx-lm looks for it."""
+    path = Path(model_dir) / "config.json"
+    cfg = json.loads(path.read_text())
+    nested = (cfg.get("rope_parameters") or {}).get("rope_theta")
+    if nested is not None and cfg.get("rope_theta") != nested:
+        cfg["rope_theta"] = nested
+        path.write_text(json.dumps(cfg, indent=2, sort_keys=True))

@@ -1,0 +1,36 @@
+"""Between text and token ids, the one way: prompts get the model's BOS, completions end at the first stop token.
+
+Every place that turns a completion into text (reward recomputation, evaluation, the lockstep baseline) calls
+``completion_text``, so a completion means the same thing to all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+def completion_text(ids: Sequence[int], eos_ids: Sequence[int], decode: Callable[[list[int]], str]) -> str:
+    """The text a completion means: its tokens up to (not including) the first stop token."""
+    end = next((k for k, t in enumerate(ids) if t in eos_ids), len(ids))
+    return decode(list(ids[:end]))
+
+
+class TextCodec:
+    """A tokenizer seen as the swarm uses it: prompt text -> ids, completion ids -> text."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        eos = tokenizer.eos_token_id
+        self.eos_ids: tuple[int, ...] = (eos,) if eos is not None else ()
+        self.bos_id: int | None = tokenizer.bos_token_id
+
+    def encode_prompt(self, text: str) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return ([self.bos_id] if self.bos_id is not None else []) + list(ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def completion_text(self, ids: Sequence[int]) -> str:
+        return completion_text(ids, self.eos_ids, self.decode)
