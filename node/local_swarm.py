@@ -80,7 +80,7 @@ async def start_trainer(
     """A trainer on ``model_dir``; keyword arguments set [trainer] or learner fields by name."""
     learner_fields = set(settings().learner.__dataclass_fields__)
     learner = {k: v for k, v in trainer.items() if k in learner_fields}
-    rest = {k: v for k, v in trainer.items() if k not in learner_fields}
+    rest = {"dashboard": "127.0.0.1:0", **{k: v for k, v in trainer.items() if k not in learner_fields}}
     cfg = node_config(root, "trainer", "trainer", bootstrap=(boot.swarm.addrs()[0],))
     s = settings(trainer=rest, learner={"model_dir": model_dir, **learner}, weights=weights)
     return await start(nursery, cfg, TrainerRole(cfg, s))

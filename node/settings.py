@@ -40,6 +40,7 @@ class TrainerSettings:
     max_strikes: int = knob(3, "forged groups before a peer is banned")
     max_buffered: int = knob(4096, "most verified groups waiting for a step (the oldest fall off as stale)")
     linger: float = knob(2.0, "seconds to keep serving weights after --max-steps")
+    dashboard: str = knob("127.0.0.1:8470", "host:port of the trainer's read-only web dashboard, or 'off'")
 
 
 @dataclass

@@ -58,16 +58,40 @@ class TaskSpec:
 
 
 @dataclass(frozen=True)
-class WorkRequest:
-    max_groups: int
+class SamplerReport:
+    """What a sampler says about itself with each work request, for the trainer's dashboard only: nothing is
+    decided on it (it is unverified), so it is shown as the sampler's own word."""
+
+    version: int
+    bytes_served: int
+    engine: str
 
     def to_wire(self) -> dict[str, Any]:
-        return {"v": WIRE_VERSION, "t": "work_request", "max_groups": self.max_groups}
+        return {"version": self.version, "bytes_served": self.bytes_served, "engine": self.engine}
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> SamplerReport:
+        return cls(
+            version=s.integer(m, "version", -1, 1 << 40),
+            bytes_served=s.integer(m, "bytes_served", 0, 1 << 62),
+            engine=s.text(m, "engine", 32),
+        )
+
+
+@dataclass(frozen=True)
+class WorkRequest:
+    max_groups: int
+    report: SamplerReport | None = None  # optional (older samplers send none)
+
+    def to_wire(self) -> dict[str, Any]:
+        extra = {} if self.report is None else {"report": self.report.to_wire()}
+        return {"v": WIRE_VERSION, "t": "work_request", "max_groups": self.max_groups, **extra}
 
     @classmethod
     def from_wire(cls, m: dict[str, Any]) -> WorkRequest:
         s.expect_type(m, "work_request")
-        return cls(max_groups=s.integer(m, "max_groups", 1, MAX_GROUPS_PER_LEASE))
+        report = SamplerReport.from_wire(s.mapping(m, "report")) if "report" in m else None
+        return cls(max_groups=s.integer(m, "max_groups", 1, MAX_GROUPS_PER_LEASE), report=report)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from protocols.errors import FrameTooLarge, PeerClosed, ProtocolError, RemoteErr
 from protocols.framing import FrameReader, frame, unpack
 from protocols.messages import raise_if_error
 from protocols.rollouts import RolloutAck, RolloutGroup
-from protocols.work import WorkLease, WorkRequest
+from protocols.work import SamplerReport, WorkLease, WorkRequest
 from tests.helpers import FakeStream
 
 KEY = create_new_key_pair()
@@ -119,6 +119,8 @@ def test_positive_control_valid_messages_decode_to_what_was_sent():
     signed = sign_manifest(MANIFEST, KEY)
     assert verify_manifest(w.SignedManifest.from_wire(wire(signed.to_wire())), TRUSTED, "fuzz") == MANIFEST
     assert WorkRequest.from_wire(wire(WorkRequest(3).to_wire())) == WorkRequest(3)
+    with_report = WorkRequest(3, SamplerReport(2, 10, "mlx/q8"))
+    assert WorkRequest.from_wire(wire(with_report.to_wire())) == with_report
 
 
 @FUZZ

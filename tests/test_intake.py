@@ -71,7 +71,7 @@ def group_for(intake: RolloutIntake, peer: str, spec, lease, answers: list[str],
 async def test_groups_are_verified_acked_once_and_wake_the_training_loop(tmp_path):
     intake = make_intake(tmp_path)
     task = ReverseDigitsTask()
-    lease = intake.lease(WorkRequest(4).to_wire(), "alice", version=0)
+    lease = intake.lease(WorkRequest(4), "alice", version=0)
     right = [task.answer(spec.seed) for spec in lease.tasks]
     batches: list = []
 
@@ -99,7 +99,7 @@ async def test_groups_are_verified_acked_once_and_wake_the_training_loop(tmp_pat
 
 async def test_forgeries_strike_and_ban_while_refusals_do_not(tmp_path):
     intake = make_intake(tmp_path, max_strikes=2)
-    lease = intake.lease(WorkRequest(4).to_wire(), "mallory", version=3)
+    lease = intake.lease(WorkRequest(4), "mallory", version=3)
     stale = group_for(intake, "mallory", lease.tasks[0], lease, ["1", "2"], version=0)  # 3 behind, bound 2
     assert "versions old" in (await intake.submit(stale, "mallory", 3)).rejected[0][1]
     assert intake.strikes.counts == {}

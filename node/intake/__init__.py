@@ -35,6 +35,8 @@ from trainer.tasks import Task
 
 log = logging.getLogger(__name__)
 
+MAX_PEERS_TRACKED = 10_000
+
 
 class Banned(ProtocolError):
     code = "banned"
@@ -65,12 +67,12 @@ class RolloutIntake:
         self.pending = 0  # groups taken for the batch being assembled, not yet trained: still "buffered"
         self.rejected = 0
         self.forged = 0
+        self.refused_by_peer: dict[str, int] = {}  # groups rejected or forged, per peer (for the dashboard)
         self.first_accepted_at: float | None = None  # monotonic time of the first group: the trainer's work starts
         self._arrived = trio.Event()
 
     # -- work --------------------------------------------------------------------------------------------
-    def lease(self, message: dict[str, Any], peer: str, version: int) -> WorkLease:
-        req = WorkRequest.from_wire(message)
+    def lease(self, req: WorkRequest, peer: str, version: int) -> WorkLease:
         if self.strikes.is_banned(peer):
             raise Banned("this peer is banned for forged rollouts")
         self.work_limit.take(peer)
@@ -90,11 +92,13 @@ class RolloutIntake:
             group = await self.verifier.verify(g, peer, version)
         except Forged as exc:
             self.forged += 1
+            self._count_refusal(peer)
             self.strikes.strike(peer)
             log.warning("forged rollouts from %s: %s", peer, exc)
             return RolloutAck(rejected=[(i, f"forged: {exc}") for i in ids])
         except Rejected as exc:
             self.rejected += 1
+            self._count_refusal(peer)
             return RolloutAck(rejected=[(i, str(exc)) for i in ids])
         if all(self.buffer.is_duplicate(i) for i in ids):  # a resend that raced the original
             return RolloutAck(duplicate=ids)
@@ -102,6 +106,12 @@ class RolloutIntake:
         self.journal.append(group, ids)  # on disk before the ack goes out
         self._buffer(group, ids, count=True)
         return RolloutAck(accepted=ids)
+
+    def _count_refusal(self, peer: str) -> None:
+        self.refused_by_peer[peer] = self.refused_by_peer.get(peer, 0) + 1
+        if len(self.refused_by_peer) > MAX_PEERS_TRACKED:  # forget the oldest entries: state stays bounded
+            for old in list(self.refused_by_peer)[: MAX_PEERS_TRACKED // 10]:
+                del self.refused_by_peer[old]
 
     def _buffer(self, group: Group, ids: list[str], count: bool) -> None:
         if count:

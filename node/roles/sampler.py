@@ -24,7 +24,7 @@ from node.weights.sync import WeightSync
 from protocols import rollouts, work
 from protocols.errors import ProtocolError, RemoteError
 from protocols.rollouts import RolloutAck, RolloutGroup, Sample
-from protocols.work import TaskSpec, WorkLease, WorkRequest
+from protocols.work import SamplerReport, TaskSpec, WorkLease, WorkRequest
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ class SamplerRole:
                     swarm.host,
                     self.trainer_id,
                     work.PROTOCOL_ID,
-                    WorkRequest(self.settings.groups_per_request).to_wire(),
+                    WorkRequest(self.settings.groups_per_request, self.report()).to_wire(),
                     max_request=work.MAX_FRAME,
                     max_reply=work.MAX_FRAME,
                 )
@@ -279,6 +279,11 @@ class SamplerRole:
             return ack
         log.warning("gave up on group %s after %d attempts (%s)", group.group_id, attempt, self.last_error)
         return None
+
+    def report(self) -> SamplerReport:
+        """What the trainer's dashboard shows for this sampler (its own word)."""
+        engine = f"{self.engine.name}/{self.engine.quant}" if self.engine else "none"
+        return SamplerReport(self.versions.engine, self.weight_server.bytes_served, engine)
 
     def status(self) -> dict[str, Any]:
         return {

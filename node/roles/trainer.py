@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -18,6 +19,7 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 
 from node.config import NodeConfig
+from node.dashboard import SwarmView, parse_address, serve_dashboard
 from node.discovery import provide_forever, role_key
 from node.host import Swarm
 from node.intake import RolloutIntake
@@ -30,6 +32,7 @@ from node.weights.server import WeightServer
 from node.weights.store import ChunkStore
 from protocols import rollouts, work
 from protocols import weights as weights_proto
+from protocols.work import WorkRequest
 from trainer.base_model import build_base_model
 from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.learner import Learner
@@ -78,6 +81,9 @@ class TrainerRole:
         self.busy_seconds = 0.0
         self.last_metrics: dict[str, float] = {}
         self.published: tuple[int, bytes] | None = None  # (version, manifest id)
+        self.view = SwarmView()
+        self.history: deque[dict[str, Any]] = deque(maxlen=5000)  # recent metric records, for the dashboard
+        self.dashboard_url: str | None = None
         self._restore()
 
     def _restore(self) -> None:
@@ -112,7 +118,10 @@ class TrainerRole:
         )
 
     async def on_work(self, message: dict[str, Any], remote: ID) -> dict[str, Any]:
-        return self.intake.lease(message, str(remote), self.learner.version).to_wire()
+        req = WorkRequest.from_wire(message)
+        lease = self.intake.lease(req, str(remote), self.learner.version)
+        self.view.heard(str(remote), req.report)
+        return lease.to_wire()
 
     async def on_rollouts(self, message: dict[str, Any], remote: ID) -> dict[str, Any]:
         return (await self.intake.submit(message, str(remote), self.learner.version)).to_wire()
@@ -124,6 +133,10 @@ class TrainerRole:
                 provide_forever, swarm, role_key(self.config.swarm, "trainer"), self.config.provide_interval
             )
             nursery.start_soon(self._announce_forever)
+            if self.settings.dashboard != "off":
+                host, port = parse_address(self.settings.dashboard)
+                self.dashboard_url = await nursery.start(serve_dashboard, self.dashboard_state, host, port)
+                log.info("dashboard at %s", self.dashboard_url)
             nursery.start_soon(self.train)
             await self.finished.wait()
             await trio.sleep(self.settings.linger)
@@ -178,6 +191,7 @@ class TrainerRole:
         await trio.to_thread.run_sync(self.learner.save_model_dir, staging)
         mid, _, manifest = await trio.to_thread.run_sync(self.publisher.publish, staging, version)
         self.published = (version, mid)
+        self.view.trainer_version(version)
         log.info(
             "published version %d (%d chunks, %.1f MB)", version, len(manifest.all_chunks()), manifest.total_size / 1e6
         )
@@ -218,10 +232,43 @@ class TrainerRole:
 
     def record(self, values: dict[str, Any]) -> None:
         self.last_metrics.update(values)
-        append_jsonl(
-            self.metrics_path,
-            {"time": time.time(), "step": self.learner.steps, "version": self.learner.version, **values},
-        )
+        record = {"time": time.time(), "step": self.learner.steps, "version": self.learner.version, **values}
+        self.history.append(record)
+        append_jsonl(self.metrics_path, record)
+
+    def dashboard_state(self) -> dict[str, Any]:
+        """Everything the dashboard page draws (node/dashboard.py)."""
+        intake, now = self.intake, time.time()
+        peers = set(intake.ledger.accepted_by_peer) | set(self.view.reports) | set(intake.strikes.counts)
+        rows = []
+        for peer in sorted(peers):
+            seen, report = self.view.reports.get(peer, (None, None))
+            rows.append(
+                {
+                    "peer_id": peer,
+                    "role": "sampler",
+                    "version": report.version if report else None,
+                    "accepted": intake.ledger.accepted_by_peer.get(peer, 0),
+                    "refused": intake.refused_by_peer.get(peer, 0),
+                    "strikes": intake.strikes.counts.get(peer, 0),
+                    "banned": intake.strikes.is_banned(peer),
+                    "bytes_served": report.bytes_served if report else None,
+                    "engine": report.engine if report else None,
+                    "report_age": round(now - seen, 1) if seen else None,
+                }
+            )
+        me = str(self.swarm.peer_id)
+        trainer_row = {"peer_id": me, "role": "trainer", "version": self.learner.version, "accepted": 0,
+                       "refused": 0, "strikes": 0, "banned": False, "bytes_served": self.weight_server.bytes_served,
+                       "engine": "learner", "report_age": 0.0}  # fmt: skip
+        curve_keys = ("step", "reward", "eval_reward", "eval_accuracy", "busy_fraction")
+        return {
+            "swarm": self.config.swarm,
+            "trainer": {"peer_id": me, **self.status()},
+            "peers": [trainer_row, *rows],
+            "versions": {who: list(points) for who, points in self.view.timelines.items()},
+            "curves": [{k: r[k] for k in curve_keys if k in r} for r in self.history],
+        }
 
     def status(self) -> dict[str, Any]:
         shown = ("reward", "eval_reward", "eval_accuracy", "busy_fraction")
@@ -231,4 +278,5 @@ class TrainerRole:
             **{k: round(v, 4) for k, v in self.last_metrics.items() if k in shown},
             **self.intake.status(),
             "bytes_uploaded": self.weight_server.bytes_served,
+            **({"dashboard": self.dashboard_url} if self.dashboard_url else {}),
         }
