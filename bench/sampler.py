@@ -1,5 +1,6 @@
-"""bench/sampler: generation throughput of the node's engine vs plain mlx-lm batch_generate, same model and
-prompts, same run; and int8 vs full precision. Prints tokens/s and the ratios.
+"""bench/sampler: generation throughput of every sampler engine on this machine (torch, MLX fp32, MLX int8), the
+MLX engine against plain mlx-lm batch_generate (same model and prompts, same run), and which engine
+``--engine auto`` picks here, with its throughput relative to the fastest one measured.
 
     .venv/bin/python bench/sampler.py [--hidden 256] [--layers 4] [--groups 8] [--group-size 8]
 """
@@ -18,7 +19,7 @@ from mlx_lm.utils import load_model
 from rich.console import Console
 from rich.table import Table
 
-from node.engines import make_engine
+from node.engines import auto_engine, make_engine
 from trainer.base_model import ROPE_THETA, build_base_model
 from trainer.model import load_tokenizer
 from trainer.tasks.reverse import ReverseDigitsTask
@@ -42,8 +43,8 @@ def prompts(n_groups: int, group: int, tok) -> list[list[int]]:
     return [[tok.bos_token_id, *tok.encode(task.prompt(s))] for s in range(n_groups) for _ in range(group)]
 
 
-def node_engine_tps(model_dir: Path, bits, ps, max_tokens: int, group: int) -> float:
-    e = make_engine("mlx", model_dir, bits=bits)
+def node_engine_tps(model_dir: Path, bits, ps, max_tokens: int, group: int, engine: str = "mlx") -> float:
+    e = make_engine(engine, model_dir, bits=bits)
     e.generate(ps[:group], temperature=1.0, top_p=1.0, max_tokens=max_tokens, seed=0)  # warm up
     t = time.perf_counter()
     gens = e.generate(ps, temperature=1.0, top_p=1.0, max_tokens=max_tokens, seed=1)
@@ -98,10 +99,20 @@ def main() -> None:
             table.add_row(
                 "fp32" if bits is None else f"int{bits}", f"{ours:.0f}", f"{plain:.0f}", f"{ours / plain:.2f}"
             )
+        with console.status("torch engine"):
+            results["torch"] = node_engine_tps(model_dir, None, ps, args.max_tokens, args.group_size, "torch")
+        table.add_row("torch engine (fp32)", f"{results['torch']:.0f}", "", "")
         console.print(table)
         console.print(
-            f"int8 / fp32 (node engine): {results[8] / results[None]:.2f}  "
+            f"int8 / fp32 (MLX engine): {results[8] / results[None]:.2f}  "
             "(int8 pays on Metal; on Linux CPU it is expected to be slower)"
+        )
+        named = {"torch": results["torch"], "mlx": results[8]}  # the node's MLX default is int8
+        best = max(results.values())
+        chosen = auto_engine()
+        console.print(
+            f"--engine auto picks {chosen!r} here: {named[chosen]:.0f} tok/s, "
+            f"{named[chosen] / best:.2f}x the fastest engine measured ({best:.0f} tok/s)"
         )
 
 

@@ -18,6 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from node.config import write_config_file
 from node.identity import load_or_create_key, peer_id_of
 from node.metrics import plot_curve, read_jsonl
+from node.status import read_status
 
 console = Console()
 
@@ -31,6 +32,13 @@ def add_demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bits", default="8", choices=["8", "4", "none"])
     p.add_argument("--task", default="reverse")
     p.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds")
+
+
+def read_status_quietly(data_dir: Path) -> dict:
+    try:
+        return read_status(data_dir)
+    except (OSError, ValueError):
+        return {}
 
 
 def node_cmd(role: str, data_dir: Path, config: Path, *extra: str) -> list[str]:
@@ -88,6 +96,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
             if role == "bootstrap":
                 time.sleep(1.5)
         first_eval = last_eval = None
+        dashboard_shown = False
+        plain = not console.is_terminal  # logs, CI: one plain line every few steps instead of a live bar
+        last_line = -1
         with Progress(
             TextColumn("[bold]{task.description}"),
             BarColumn(),
@@ -115,6 +126,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
                         f"v{r['version']}  busy {r['busy_fraction']:.0%}"
                     )
                     progress.update(bar, completed=r["step"], info=info)
+                    if plain and r["step"] >= last_line + 5:
+                        last_line = r["step"]
+                        print(f"step {r['step']}/{args.steps}: {info}", flush=True)
+                if not dashboard_shown:
+                    url = read_status_quietly(out / "trainer").get("dashboard")
+                    if url:
+                        progress.console.print(f"dashboard: {url}")
+                        dashboard_shown = True
                 dead = [(p, s) for p, s in zip(procs, specs, strict=True) if p.poll() is not None]
                 if dead:
                     p, (role, name, _) = dead[0]
