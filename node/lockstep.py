@@ -27,8 +27,8 @@ def run_lockstep(
     work_dir: Path,
     on_step: Callable[[dict], None] | None = None,
 ) -> list[dict]:
-    task = load_task(trainer.task)
-    learner = Learner(model_dir, learner_settings, keep_versions=1)
+    task = load_task(trainer.task, trainer.reward)
+    learner = Learner(model_dir, learner_settings, keep_versions=1, work_dir=work_dir)
     codec = learner.codec
     engine = make_engine(model_dir, 0)
     records = [{"step": 0, "time": 0.0, "rollouts": 0, **learner.evaluate(task, trainer.eval_size, trainer.max_tokens)}]
@@ -75,7 +75,7 @@ def run_lockstep(
             )
         metrics = learner.step(groups)
         learner.new_version()
-        engine.swap(learner.save_model_dir(work_dir / f"v{learner.version}"), learner.version)
+        engine.swap(learner.save_model_dir(work_dir / "model"), learner.version)
         record = {"step": step, "time": time.monotonic() - t0, "rollouts": rollouts, **metrics}
         if step % trainer.eval_every == 0 or step == steps:
             record.update(learner.evaluate(task, trainer.eval_size, trainer.max_tokens))

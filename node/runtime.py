@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import resource
+import sys
 from typing import Any, Protocol
 
 import trio
@@ -27,8 +29,15 @@ class Role(Protocol):
     def status(self) -> dict[str, Any]: ...
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(peak / (1 << 20 if sys.platform == "darwin" else 1 << 10), 1)
+
+
 def node_status(config: NodeConfig, swarm: Swarm, role: Role) -> dict[str, Any]:
     return {
+        "peak_rss_mb": peak_rss_mb(),
         "role": role.name,
         "peer_id": str(swarm.peer_id),
         "addrs": [str(a) for a in swarm.addrs()],

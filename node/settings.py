@@ -19,7 +19,8 @@ from trainer.settings import LearnerSettings, knob
 
 @dataclass
 class TrainerSettings:
-    task: str = knob("reverse", "built-in task name or module:factory")
+    task: str = knob("reverse", "built-in task (reverse, add), jsonl:PATH (prompt/answer lines), or module:factory")
+    reward: str = knob("exact", "how a jsonl task scores: exact, numeric, or module:function(completion, answer)")
     group_size: int = knob(8, "samples per GRPO group")
     groups_per_lease: int = knob(4, "most groups one lease hands out")
     temperature: float = knob(1.0, "sampling temperature")
@@ -54,7 +55,12 @@ class SamplerSettings:
 
 @dataclass
 class WeightSettings:
-    encoding: str = knob("fp32", "how versions travel", flag="weights-encoding", choices=("fp32", "int8"))
+    encoding: str = knob(
+        "native",
+        "how versions travel: as published (bf16/fp32) or int8 rowwise",
+        flag="weights-encoding",
+        choices=("native", "int8"),
+    )
     chunk_size: int = knob(1 << 20, "largest chunk in bytes")
     announce_interval: float = knob(2.0, "seconds between the trainer's re-announcements of its newest version")
     poll_interval: float = knob(5.0, "seconds between a node's manifest polls of the trainer")
@@ -96,13 +102,22 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group(f"[{table}] settings (also settable in bootstrap.toml)")
         for cls in classes:
             for f in fields(cls):
+                help_text = f"{f.metadata['help']} (default: {f.default})"
+                dest = f"{cls.__name__}.{f.name}"
+                if _type(f) is bool:
+                    group.add_argument(
+                        _flag(f), dest=dest, action=argparse.BooleanOptionalAction, default=None, help=help_text
+                    )
+                    continue
+                choices = f.metadata.get("choices")
                 group.add_argument(
                     _flag(f),
-                    dest=f"{cls.__name__}.{f.name}",
+                    dest=dest,
                     type=_type(f),
-                    choices=f.metadata.get("choices"),
+                    choices=choices,
                     default=None,
-                    help=f"{f.metadata['help']} (default: {f.default})",
+                    help=help_text,
+                    metavar=None if choices else f.name.upper(),
                 )
 
 

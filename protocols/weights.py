@@ -26,7 +26,7 @@ MAX_REQUEST_FRAME = 1 << 16
 MAX_REPLY_FRAME = MAX_CHUNKS_PER_REQUEST * MAX_CHUNK_SIZE + (1 << 16)
 MAX_FILES = 64
 MAX_TENSORS = 1 << 16
-ENCODINGS = ("fp32", "int8")
+ENCODINGS = ("native", "int8", "fp32")  # "fp32": what "native" was called before bf16 versions
 GOSSIP_MAX = 1 << 16
 SIGN_DOMAIN = b"swarmrl-manifest-v1:"
 
@@ -52,7 +52,7 @@ class Manifest:
     swarm: str
     version: int
     parent: int  # -1 for the first version
-    encoding: str  # how model.safetensors is stored: "fp32" (as trained) or "int8" (rowwise, dequantized on load)
+    encoding: str  # how model.safetensors is stored: "native" (as published: bf16 or fp32) or "int8" (rowwise)
     chunk_size: int
     files: list[FileEntry]
     tensors: list[TensorEntry]

@@ -31,6 +31,7 @@ __all__ = [
     "LOOPBACK",
     "FakeStream",
     "Running",
+    "build_llama_bpe",
     "free_port",
     "node_config",
     "process_swarm",
@@ -134,3 +135,58 @@ def publish_model(publisher, model, version: int, tokenizer_source: Path):
 
     staging = save_model_dir(model, publisher.staging_dir(version), tokenizer_source)
     return publisher.publish(staging, version)
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def build_llama_bpe(out_dir: Path, seed: int = 0, hidden: int = 64, layers: int = 2) -> Path:
+    """A small Llama with its own byte-level BPE tokenizer (trained here by `tokenizers`) and a chat template:
+    what a real local checkpoint looks like, built deterministically without any download."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from trainer.model_dir import flatten_rope_theta
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    specials = ["<|pad|>", "<|begin|>", "<|end|>", "<|user|>", "<|assistant|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [f"What is {a} plus {b}? The answer is {a + b}." for a in range(40) for b in range(0, 40, 3)]
+    corpus += ["Reverse the digits 12345: 54321.", "Say hello to the swarm."] * 20
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|begin|>", eos_token="<|end|>", pad_token="<|pad|>"
+    )
+    fast.chat_template = "<|begin|>" + CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+    ids = {t: fast.convert_tokens_to_ids(t) for t in specials}
+    config = LlamaConfig(
+        vocab_size=len(fast),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=ids["<|begin|>"],
+        eos_token_id=ids["<|end|>"],
+        pad_token_id=ids["<|pad|>"],
+    )
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(out_dir)
+    flatten_rope_theta(out_dir)
+    return out_dir

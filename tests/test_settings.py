@@ -36,7 +36,7 @@ def test_flags_override_the_file_which_overrides_defaults(tmp_path):
     assert s.trainer.max_staleness == 4 and s.sampler.groups_per_request == 4  # defaults
     (tmp_path / "empty.toml").write_text("")
     plain = load_settings(parse("--config", str(tmp_path / "empty.toml")))
-    assert plain.learner.lr == 3e-3 and plain.weights.encoding == "fp32"
+    assert plain.learner.lr == 3e-3 and plain.weights.encoding == "native"
 
 
 def test_every_knob_has_a_flag(tmp_path):
@@ -46,7 +46,7 @@ def test_every_knob_has_a_flag(tmp_path):
                 flag = "--" + f.metadata.get("flag", f.name.replace("_", "-"))
                 choices = f.metadata.get("choices")
                 text = choices[0] if choices else ("x" if f.metadata.get("type") is Path else "3")
-                args = parse(flag, text)
+                args = parse(flag) if isinstance(f.default, bool) else parse(flag, text)
                 assert getattr(args, f"{cls.__name__}.{f.name}") is not None, flag
                 assert f.metadata["help"], f"{cls.__name__}.{f.name} has no help text"
 

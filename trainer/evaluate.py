@@ -5,10 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from trainer.tasks import Task
+from trainer.tasks import EVAL_SEED_BASE, Task
 from trainer.text import TextCodec
-
-EVAL_SEED_BASE = 10**12  # far from the seeds handed out for training
 
 
 @torch.no_grad()

@@ -6,7 +6,9 @@ Per token t of completion i in group g:
     w        = min(pi_old(t) / mu(t), tis_cap)                    truncated importance sampling: mu is the
                                                                   sampler's (int8, maybe stale) logprob
     loss_t   = -w * min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)   (+ beta * KL_k3 to a reference)
-    loss     = sum over all tokens / number of tokens             token-level normalization (DAPO)
+    loss     = sum over all tokens / number of tokens             token-level normalization (DAPO); with
+                                                                  micro-batches, each sums its tokens and
+                                                                  divides by the whole batch's token count
 Groups whose rewards are all equal carry no signal and are dropped before a step.
 """
 
@@ -47,8 +49,11 @@ def grpo_loss(
     mask: torch.Tensor,
     cfg: LossConfig,
     ref_logp: torch.Tensor | None = None,
+    token_count: float | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
-    """All tensors [B, T] except ``advantages`` [B]; returns (scalar loss, stats)."""
+    """All tensors [B, T] except ``advantages`` [B]; returns (scalar loss, stats). ``token_count``: the number of
+    tokens of the whole batch when this is one micro-batch of it (default: this batch's own count), so that the
+    losses and stats of the micro-batches add up to those of the whole batch."""
     adv = advantages[:, None]
     ratio = torch.exp(logp - old_logp)
     clipped = torch.clamp(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
@@ -62,7 +67,7 @@ def grpo_loss(
         diff = ref_logp - logp
         kl = torch.exp(diff) - diff - 1
         per_token = per_token + cfg.kl_beta * kl
-    n = mask.sum().clamp(min=1)
+    n = mask.sum().clamp(min=1) if token_count is None else torch.tensor(float(max(token_count, 1)))
     loss = (per_token * mask).sum() / n
     with torch.no_grad():
         was_clipped = ((ratio * adv) != surrogate).float()

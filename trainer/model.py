@@ -1,14 +1,23 @@
-"""The policy as a transformers causal LM: loading it, saving it as a model directory, and the per-token
-logprobs that GRPO and verification need."""
+"""The policy as a transformers causal LM: loading it, writing its weights as a version, and the per-token
+logprobs GRPO and verification need, in micro-batches under a token budget.
+
+Logits are computed only at completion positions (hidden states gathered, then the output head), in fp32 for
+the log-softmax: a 150k-token vocabulary times every prompt position would dominate memory otherwise.
+"""
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import struct
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from trainer.errors import UserError
 from trainer.model_dir import TOKENIZER_FILES, flatten_rope_theta, inspect_model_dir
@@ -16,33 +25,144 @@ from trainer.model_dir import TOKENIZER_FILES, flatten_rope_theta, inspect_model
 transformers.utils.logging.disable_progress_bar()
 transformers.utils.logging.set_verbosity_error()
 
+WEIGHTS_FILE = "model.safetensors"
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
-def load_model(model_dir: Path) -> PreTrainedModel:
+
+def load_model(
+    model_dir: Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> PreTrainedModel:
     inspect_model_dir(model_dir)
     try:
-        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     except Exception as exc:
         raise UserError(f"transformers could not load {model_dir}: {exc}") from None
+    return model.to(device)
 
 
-def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerFast:
+def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     try:
-        return PreTrainedTokenizerFast.from_pretrained(model_dir)
+        return AutoTokenizer.from_pretrained(model_dir)
     except Exception as exc:
         raise UserError(f"cannot load the tokenizer in {model_dir}: {exc}") from None
 
 
-def save_model_dir(model: PreTrainedModel, out: Path, tokenizer_source: Path) -> Path:
-    """Write ``model`` as a model directory that stock transformers and mlx-lm open (tokenizer files copied from
-    ``tokenizer_source``, rope_theta flat)."""
+def tied_keys(model: PreTrainedModel) -> set[str]:
+    """State-dict keys that alias another tensor (save_pretrained leaves them out; loaders re-tie them)."""
+    tied = getattr(model, "_tied_weights_keys", None) or {}
+    return set(tied) if model.config.tie_word_embeddings else set()
+
+
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+TORCH_DTYPES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+
+
+def write_weights(model: PreTrainedModel, path: Path, dtype: torch.dtype) -> None:
+    """The model's weights as one safetensors file in ``dtype`` (atomically; tied aliases left out, as
+    save_pretrained does). Streamed tensor by tensor: the safetensors library would first serialise the whole
+    model into one bytes object, a full extra copy at the trainer's peak."""
+    skip = tied_keys(model)
+    state = {k: v for k, v in sorted(model.state_dict().items()) if k not in skip}
+    width = torch.empty((), dtype=dtype).element_size()
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, t in state.items():
+        n = t.numel() * width
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + n],
+        }
+        offset += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(struct.pack("<Q", len(head)) + head)
+        for t in state.values():
+            cpu = t.detach().to("cpu", dtype).contiguous()
+            if cpu.numel():
+                fh.write(cpu.view(torch.uint8).numpy().data)
+    os.replace(tmp, path)
+
+
+def load_weights_into(model: PreTrainedModel, path: Path) -> None:
+    """Copy a weights file into ``model`` tensor by tensor through one tensor-sized buffer (neither a second copy
+    of the model nor a memory map that would count the whole file as resident)."""
+    params = model.state_dict()
+    with open(path, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(n))
+        start = 8 + n
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            a, b = meta["data_offsets"]
+            if a == b:
+                continue
+            fh.seek(start + a)
+            buf = bytearray(fh.read(b - a))
+            src = torch.frombuffer(buf, dtype=TORCH_DTYPES[meta["dtype"]]).reshape(meta["shape"])
+            with torch.no_grad():
+                params[name].copy_(src)
+    if model.config.tie_word_embeddings:
+        model.tie_weights()
+
+
+def write_model_dir(
+    model: PreTrainedModel, weights: Path, out: Path, tokenizer_source: Path, dtype: torch.dtype
+) -> Path:
+    """A model directory that stock transformers and mlx-lm open: config (with ``dtype``), generation config,
+    tokenizer files from ``tokenizer_source``, and ``weights`` hard-linked in (copied across filesystems)."""
     out = Path(out)
     shutil.rmtree(out, ignore_errors=True)
-    model.save_pretrained(out)
+    out.mkdir(parents=True)
+    model.config.save_pretrained(out)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(out)
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["dtype"] = DTYPE_NAMES[dtype]
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
     for name in TOKENIZER_FILES:
         if (tokenizer_source / name).exists() and not (out / name).exists():
             shutil.copy(tokenizer_source / name, out / name)
+    try:
+        os.link(weights, out / WEIGHTS_FILE)
+    except OSError:
+        shutil.copy(weights, out / WEIGHTS_FILE)
     flatten_rope_theta(out)
     return out
+
+
+def save_model_dir(
+    model: PreTrainedModel, out: Path, tokenizer_source: Path, dtype: torch.dtype = torch.float32
+) -> Path:
+    """Write ``model`` as a complete model directory in ``dtype``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = out.parent / f".{out.name}.weights"
+    write_weights(model, weights, dtype)
+    try:
+        return write_model_dir(model, weights, out, tokenizer_source, dtype)
+    finally:
+        weights.unlink(missing_ok=True)
+
+
+def micro_batches(lengths: list[int], token_budget: int) -> Iterator[list[int]]:
+    """Row indices grouped so that each group's padded size (rows x longest row) stays within ``token_budget``;
+    rows are taken longest first, so rows of similar length share a micro-batch (little padding). A row longer
+    than the budget goes alone."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batch: list[int] = []
+    for i in order:
+        width = max(lengths[j] for j in [*batch, i]) if batch else lengths[i]
+        if batch and width * (len(batch) + 1) > token_budget:
+            yield batch
+            batch = []
+        batch.append(i)
+    if batch:
+        yield batch
 
 
 def token_logprobs(
@@ -51,25 +171,33 @@ def token_logprobs(
     completions: list[list[int]],
     temperature: float | list[float] = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logprob of each completion token under ``model`` at ``temperature``: ([B, Lmax], mask [B, Lmax]).
-
-    Sequences are right-padded; with a causal model, padding after a sequence never changes its logits.
+    """Logprob of each completion token under ``model`` at ``temperature``: ([B, Lmax], mask [B, Lmax]), on the
+    model's device. One forward pass: call it per micro-batch. Sequences are right-padded; with a causal model,
+    padding after a sequence never changes its logits.
     """
+    device = next(model.parameters()).device
     seqs = [p + c for p, c in zip(prompts, completions, strict=True)]
     width = max(len(s) for s in seqs)
     cmax = max(len(c) for c in completions)
     ids = torch.zeros(len(seqs), width, dtype=torch.long)
     attn = torch.zeros(len(seqs), width, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s)
-        attn[i, : len(s)] = 1
-    logits = model(input_ids=ids, attention_mask=attn).logits.float()
-    temps = torch.tensor(temperature if isinstance(temperature, list) else [temperature] * len(seqs))
-    out = torch.zeros(len(seqs), cmax)
-    mask = torch.zeros(len(seqs), cmax)
+    rows, cols, slots, targets, temps = [], [], [], [], []
+    temperatures = temperature if isinstance(temperature, list) else [temperature] * len(seqs)
     for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
-        rows = logits[i, len(p) - 1 : len(p) - 1 + len(c)] / temps[i]
-        lp = torch.log_softmax(rows, dim=-1).gather(-1, torch.tensor(c).unsqueeze(-1)).squeeze(-1)
-        out[i, : len(c)] = lp
-        mask[i, : len(c)] = 1
+        ids[i, : len(p) + len(c)] = torch.tensor(p + c)
+        attn[i, : len(p) + len(c)] = 1
+        rows += [i] * len(c)
+        cols += range(len(p) - 1, len(p) - 1 + len(c))  # the position whose logits predict completion token t
+        slots += range(len(c))
+        targets += c
+        temps += [temperatures[i]] * len(c)
+    hidden = model.base_model(input_ids=ids.to(device), attention_mask=attn.to(device)).last_hidden_state
+    picked = hidden[torch.tensor(rows, device=device), torch.tensor(cols, device=device)]
+    logits = model.get_output_embeddings()(picked).float() / torch.tensor(temps, device=device)[:, None]
+    lp = torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(targets, device=device)[:, None]).squeeze(-1)
+    out = torch.zeros(len(seqs), cmax, device=device)
+    mask = torch.zeros(len(seqs), cmax, device=device)
+    r, s = torch.tensor(rows, device=device), torch.tensor(slots, device=device)
+    out = out.index_put((r, s), lp)
+    mask[r, s] = 1.0
     return out, mask

@@ -51,10 +51,28 @@ def inspect_model_dir(path: Path) -> ModelDirInfo:
         raise UserError(f"model directory {path}: model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
     if not any(path.glob("*.safetensors")):
         raise UserError(f"model directory {path} has no *.safetensors weight files")
-    eos = config.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    eos_ids = stop_ids(path, config)
     rope = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta")
     return ModelDirInfo(path, config, model_type, eos_ids, float(rope) if rope is not None else None)
+
+
+def _ids(value: Any) -> list[int]:
+    if isinstance(value, list):
+        return [int(v) for v in value if isinstance(v, int)]
+    return [int(value)] if isinstance(value, int) else []
+
+
+def stop_ids(path: Path, config: dict[str, Any]) -> tuple[int, ...]:
+    """The tokens that end a completion: config.json's eos_token_id and generation_config.json's (chat models
+    put their end-of-turn token there). Engines stop on these and the trainer checks against the same set."""
+    ids = _ids(config.get("eos_token_id"))
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        try:
+            ids += _ids(json.loads(gen.read_text()).get("eos_token_id"))
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            raise UserError(f"{gen} is not a valid JSON object") from None
+    return tuple(dict.fromkeys(ids))
 
 
 def flatten_rope_theta(model_dir: Path) -> None:

@@ -1,40 +1,53 @@
-"""Recomputes logprobs at the exact policy version a rollout claims, from snapshots of recent versions."""
+"""Recomputes logprobs at the exact policy version a rollout claims, with memory that does not grow with the
+number of versions kept.
+
+Every version the learner names is written once, in the publish dtype, to ``<root>/v<N>.safetensors`` (the
+file publishing hard-links into the version's model dir: the bits samplers run are the bits scored). One
+scoring model, in the publish dtype, is moved between versions by copying a version's file into it tensor by
+tensor from a memory map. Host memory: one model in the publish dtype; disk: ``keep`` weight files.
+"""
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from pathlib import Path
 
 import torch
 
-from trainer.model import load_model, token_logprobs
+from trainer.device import Precision
+from trainer.model import load_model, load_weights_into, micro_batches, token_logprobs
 
 
 class Scorer:
-    """A second copy of the model, loaded with whichever recent version a rollout names."""
-
-    def __init__(self, model_dir: Path, keep: int) -> None:
-        self.model = load_model(model_dir).eval()
+    def __init__(self, model_dir: Path, precision: Precision, keep: int, root: Path, token_budget: int) -> None:
+        self.precision = precision
+        self.model = load_model(model_dir, precision.publish, precision.device).eval()
         self.keep = keep
-        self._snapshots: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.token_budget = token_budget
         self._loaded: int | None = None
         self._lock = threading.Lock()
+        self.switches = 0  # how often the scoring model moved to another version
 
-    def remember(self, version: int, state: dict[str, torch.Tensor]) -> None:
-        snap = {k: v.detach().clone() for k, v in state.items()}
-        with self._lock:
-            self._snapshots[version] = snap
-            while len(self._snapshots) > self.keep:
-                self._snapshots.popitem(last=False)
-
-    def forget_all(self) -> None:
-        with self._lock:
-            self._snapshots.clear()
-            self._loaded = None
+    def path(self, version: int) -> Path:
+        return self.root / f"v{version}.safetensors"
 
     def knows(self, version: int) -> bool:
-        return version in self._snapshots
+        return self.path(version).exists()
+
+    def kept(self) -> list[int]:
+        return sorted(int(p.stem[1:]) for p in self.root.glob("v*.safetensors"))
+
+    def forget_older_than(self, version: int) -> None:
+        """Keep the newest ``keep`` versions up to ``version``; drop the rest (and any newer: a restart)."""
+        with self._lock:
+            wanted = set(range(version - self.keep + 1, version + 1))
+            for v in self.kept():
+                if v not in wanted:
+                    self.path(v).unlink(missing_ok=True)
+                    if self._loaded == v:
+                        self._loaded = None
 
     @torch.no_grad()
     def logprobs(
@@ -42,11 +55,20 @@ class Scorer:
     ) -> list[list[float]] | None:
         """Per-token logprobs under ``version``, or None when that version is no longer kept."""
         with self._lock:
-            snap = self._snapshots.get(version)
-            if snap is None:
+            if not self.knows(version):
                 return None
             if self._loaded != version:
-                self.model.load_state_dict(snap)
+                load_weights_into(self.model, self.path(version))
                 self._loaded = version
-            lp, _ = token_logprobs(self.model, prompts, completions, temperature)
-        return [lp[i, : len(c)].tolist() for i, c in enumerate(completions)]
+                self.switches += 1
+            out: list[list[float]] = [[] for _ in completions]
+            lengths = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
+            for rows in micro_batches(lengths, self.token_budget):
+                with self.precision.autocast():
+                    lp, _ = token_logprobs(
+                        self.model, [prompts[i] for i in rows], [completions[i] for i in rows], temperature
+                    )
+                lp = lp.cpu()
+                for k, i in enumerate(rows):
+                    out[i] = lp[k, : len(completions[i])].tolist()
+        return out

@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+DEVICES = ("auto", "cuda", "mps", "cpu")
+DTYPES = ("auto", "bf16", "fp32")
+
 
 def knob(default: Any, help: str, **meta: Any) -> Any:
     """A settings field: ``help`` for --help; ``flag`` overrides the flag name, ``choices`` limits values,
@@ -30,3 +33,10 @@ class LearnerSettings:
     grad_clip: float = knob(1.0, "gradient norm clip")
     seed: int = knob(0, "torch seed")
     torch_threads: int = knob(1, "torch CPU threads for the learner")
+    device: str = knob("auto", "where the learner runs (auto: cuda, then mps, then cpu)", choices=DEVICES)
+    dtype: str = knob(
+        "auto", "bf16: fp32 master weights, bf16 autocast, bf16 versions (auto: bf16 on cuda)", choices=DTYPES
+    )
+    micro_batch_tokens: int = knob(8192, "padded tokens per forward/backward micro-batch (gradients accumulate)")
+    activation_checkpointing: bool = knob(False, "recompute activations in backward (less memory, ~30% slower)")
+    chat_template: bool = knob(False, "render prompts through the tokenizer's chat template")

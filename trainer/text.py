@@ -17,15 +17,29 @@ def completion_text(ids: Sequence[int], eos_ids: Sequence[int], decode: Callable
 
 
 class TextCodec:
-    """A tokenizer seen as the swarm uses it: prompt text -> ids, completion ids -> text."""
+    """A tokenizer seen as the swarm uses it: prompt text -> ids, completion ids -> text.
 
-    def __init__(self, tokenizer: Any) -> None:
+    ``eos_ids`` are the model directory's stop tokens (trainer/model_dir.py), the same ones every engine stops
+    on. With ``chat_template`` a prompt is rendered as one user turn with the generation prompt appended, which
+    carries its own special tokens; without it, the prompt is BOS (if the model has one) + the text.
+    """
+
+    def __init__(self, tokenizer: Any, eos_ids: tuple[int, ...], chat_template: bool = False) -> None:
         self.tokenizer = tokenizer
-        eos = tokenizer.eos_token_id
-        self.eos_ids: tuple[int, ...] = (eos,) if eos is not None else ()
+        self.eos_ids = eos_ids
         self.bos_id: int | None = tokenizer.bos_token_id
+        self.chat_template = chat_template
+        if chat_template and not getattr(tokenizer, "chat_template", None):
+            from trainer.errors import UserError
+
+            raise UserError("--chat-template: this model's tokenizer has no chat template")
 
     def encode_prompt(self, text: str) -> list[int]:
+        if self.chat_template:
+            rendered = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            )
+            return list(self.tokenizer.encode(rendered, add_special_tokens=False))
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return ([self.bos_id] if self.bos_id is not None else []) + list(ids)
 

@@ -11,6 +11,7 @@ without blame.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import trio
@@ -25,7 +26,9 @@ from trainer.tasks import Task
 ScoreFn = Callable[[int, list[list[int]], list[list[int]], float], list[list[float]] | None]
 
 # (mean |diff|, max |diff|) allowed between claimed and recomputed per-token logprobs, by sampler quantization.
-# Measured on the tiny model: fp32 MLX vs torch ~5e-7, int8 ~5e-3 max; int4 is an order of magnitude looser.
+# Measured against fp32 versions (tiny model): fp32 MLX vs torch ~5e-7, int8 ~5e-3 max. Against bf16 versions
+# scored in bf16 (Qwen2 4x256 / Llama 4x128, 3.5k tokens each): fp32 engines mean 0.001-0.002, max 0.006-0.009;
+# int8 mean 0.007-0.013, max 0.034-0.063; int4 mean 0.04-0.06, max 0.18-0.30. The bounds below hold both.
 DEFAULT_TOLERANCES: dict[str, tuple[float, float]] = {
     "none": (0.01, 0.1),
     "torch": (0.01, 0.1),
@@ -60,6 +63,7 @@ class RolloutVerifier:
         self.eos_ids = eos_ids
         self.max_staleness = max_staleness
         self.tolerances = tolerances or DEFAULT_TOLERANCES
+        self.scoring_seconds = 0.0  # time spent recomputing logprobs (the trainer's cost of verification)
 
     def check_lease(self, g: RolloutGroup, remote: str, current_version: int) -> None:
         if g.sampler != remote:
@@ -122,7 +126,11 @@ class RolloutVerifier:
                 raise Forged(f"claimed reward {s.claimed_reward} but the trainer computes {r}")
             rewards.append(r)
             solved.append(bool(self.task.solved(g.seed, text)))
-        old_logprobs = await trio.to_thread.run_sync(self.check_logprobs, g)
+        t0 = time.monotonic()
+        try:
+            old_logprobs = await trio.to_thread.run_sync(self.check_logprobs, g)
+        finally:
+            self.scoring_seconds += time.monotonic() - t0
         return Group(
             group_id=g.group_id,
             peer=remote,

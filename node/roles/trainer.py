@@ -59,10 +59,9 @@ class TrainerRole:
         self.config = config
         self.settings = s = settings.trainer
         self.weights = settings.weights
-        self.task = load_task(s.task)
-        self.learner = Learner(
-            resolve_model_dir(settings.learner.model_dir, config.data_dir), settings.learner, s.max_staleness + 1
-        )
+        self.task = load_task(s.task, s.reward)
+        model_dir = resolve_model_dir(settings.learner.model_dir, config.data_dir)
+        self.learner = Learner(model_dir, settings.learner, s.max_staleness + 1, config.data_dir)
         codec = self.learner.codec
         self.intake = RolloutIntake(
             self.task,
@@ -84,6 +83,7 @@ class TrainerRole:
         self.view = SwarmView()
         self.history: deque[dict[str, Any]] = deque(maxlen=5000)  # recent metric records, for the dashboard
         self.dashboard_url: str | None = None
+        self._verify_seen = 0.0
         self._restore()
 
     def _restore(self) -> None:
@@ -150,11 +150,19 @@ class TrainerRole:
             await self.evaluate()
         while s.max_steps is None or learner.steps < s.max_steps:
             batch = await intake.next_batch(s.batch_groups, learner.version)
+            t0 = time.monotonic()
             metrics = await self._busy(learner.step, batch)
             intake.trained(batch)
+            t1 = time.monotonic()
             if learner.steps % s.publish_every == 0:
                 await self._busy(learner.new_version)
                 await self.publish()
+            metrics |= {
+                "time_learn": t1 - t0,
+                "time_publish": time.monotonic() - t1,
+                **self._verify_time(),
+                "publish_bytes": self.last_metrics.get("publish_bytes", 0),
+            }
             self.record(
                 {
                     **metrics,
@@ -180,6 +188,12 @@ class TrainerRole:
         finally:
             self.busy_seconds += time.monotonic() - t0
 
+    def _verify_time(self) -> dict[str, float]:
+        """Seconds spent recomputing logprobs for verification since the last step."""
+        total = self.intake.verifier.scoring_seconds
+        spent, self._verify_seen = total - self._verify_seen, total
+        return {"time_verify": spent}
+
     def _busy_fraction(self) -> float:
         start = self.intake.first_accepted_at or time.monotonic()
         return self.busy_seconds / max(time.monotonic() - start, 1e-9)
@@ -191,6 +205,7 @@ class TrainerRole:
         await trio.to_thread.run_sync(self.learner.save_model_dir, staging)
         mid, _, manifest = await trio.to_thread.run_sync(self.publisher.publish, staging, version)
         self.published = (version, mid)
+        self.last_metrics["publish_bytes"] = manifest.total_size
         self.view.trainer_version(version)
         log.info(
             "published version %d (%d chunks, %.1f MB)", version, len(manifest.all_chunks()), manifest.total_size / 1e6
@@ -258,9 +273,18 @@ class TrainerRole:
                 }
             )
         me = str(self.swarm.peer_id)
-        trainer_row = {"peer_id": me, "role": "trainer", "version": self.learner.version, "accepted": 0,
-                       "refused": 0, "strikes": 0, "banned": False, "bytes_served": self.weight_server.bytes_served,
-                       "engine": "learner", "report_age": 0.0}  # fmt: skip
+        trainer_row = {
+            "peer_id": me,
+            "role": "trainer",
+            "version": self.learner.version,
+            "accepted": 0,
+            "refused": 0,
+            "strikes": 0,
+            "banned": False,
+            "bytes_served": self.weight_server.bytes_served,
+            "engine": "learner",
+            "report_age": 0.0,
+        }
         curve_keys = ("step", "reward", "eval_reward", "eval_accuracy", "busy_fraction")
         return {
             "swarm": self.config.swarm,

@@ -1,5 +1,6 @@
-"""How model.safetensors travels: as trained (fp32), or int8 rowwise (1 byte per parameter, dequantized on
-arrival). numpy only: a sampler never needs torch for this.
+"""How model.safetensors travels: ``native`` (as published, bf16 or fp32), or ``int8`` rowwise (1 byte per
+parameter, dequantized to fp32 on arrival). numpy only: a sampler never needs torch for this, and numpy has no
+bfloat16, so BF16 tensors are read as their bits and widened exactly (a bf16 is the top half of an fp32).
 
 int8 rowwise: each 2-D float tensor becomes an int8 tensor plus one fp32 scale per row (absmax / 127).
 The receiver turns it back into an fp32 safetensors file that stock transformers and mlx-lm open.
@@ -7,9 +8,43 @@ The receiver turns it back into an fp32 safetensors file that stock transformers
 
 from __future__ import annotations
 
+import json
+import struct
+from pathlib import Path
+
 import numpy as np
 
 SCALE_SUFFIX = ".__int8_scale__"
+NUMPY_DTYPES = {
+    "F32": np.float32,
+    "F16": np.float16,
+    "F64": np.float64,
+    "I8": np.int8,
+    "I32": np.int32,
+    "I64": np.int64,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+
+def read_float_tensors(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file; BF16 ones widened to float32 (exactly)."""
+    data = Path(path).read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    start = 8 + n
+    out: dict[str, np.ndarray] = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        a, b = meta["data_offsets"]
+        raw = data[start + a : start + b]
+        if meta["dtype"] == "BF16":
+            bits = np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16
+            out[name] = bits.view(np.float32).reshape(meta["shape"])
+        else:
+            out[name] = np.frombuffer(raw, dtype=NUMPY_DTYPES[meta["dtype"]]).reshape(meta["shape"])
+    return out
 
 
 def encode_int8(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -22,7 +57,7 @@ def encode_int8(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             out[name] = np.ascontiguousarray(q)
             out[name + SCALE_SUFFIX] = np.ascontiguousarray(scale)
         else:
-            out[name] = np.ascontiguousarray(t)
+            out[name] = np.ascontiguousarray(t.astype(np.float32) if np.issubdtype(t.dtype, np.floating) else t)
     return out
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,9 +51,9 @@ def safetensors_layout(data: bytes) -> tuple[int, list[TensorEntry]]:
     return start, tensors
 
 
-def cut(data: bytes, boundaries: list[int], chunk_size: int) -> list[tuple[int, int]]:
-    """Byte ranges covering ``data``: a new range at every boundary, and every ``chunk_size`` in between."""
-    cuts = sorted({0, len(data), *[b for b in boundaries if 0 < b < len(data)]})
+def cut_ranges(size: int, boundaries: list[int], chunk_size: int) -> list[tuple[int, int]]:
+    """Byte ranges covering ``size`` bytes: a new range at every boundary, and every ``chunk_size`` in between."""
+    cuts = sorted({0, size, *[b for b in boundaries if 0 < b < size]})
     ranges = []
     for a, b in itertools.pairwise(cuts):
         ranges += [(x, min(x + chunk_size, b)) for x in range(a, b, chunk_size)]
@@ -63,25 +64,30 @@ def cut(data: bytes, boundaries: list[int], chunk_size: int) -> list[tuple[int, 
 class CutModelDir:
     files: list[FileEntry]
     tensors: list[TensorEntry]
-    chunks: dict[bytes, bytes]
 
 
-def cut_model_dir(model_dir: Path, chunk_size: int) -> CutModelDir:
-    files, chunks, tensors = [], {}, []
+def cut_model_dir(model_dir: Path, chunk_size: int, sink: Callable[[bytes, bytes], None]) -> CutModelDir:
+    """Cut every file of ``model_dir`` into chunks, handing each (hash, bytes) to ``sink`` as it is cut: a chunk
+    at a time is read, so a multi-GB weights file is never held (or mapped) in memory whole."""
+    files, tensors = [], []
     for path in sorted(p for p in Path(model_dir).iterdir() if p.is_file()):
-        data = path.read_bytes()
-        boundaries: list[int] = []
-        if path.name == WEIGHTS_FILE:
-            start, tensors = safetensors_layout(data)
-            boundaries = [start] + [t.offset for t in tensors]
-        hashes = []
-        for a, b in cut(data, boundaries, chunk_size):
-            piece = data[a:b]
-            h = chunk_hash(piece)
-            chunks[h] = piece
-            hashes.append(h)
-        files.append(FileEntry(path.name, len(data), hashes))
-    return CutModelDir(files, tensors, chunks)
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            boundaries: list[int] = []
+            if path.name == WEIGHTS_FILE:
+                head = fh.read(8)
+                (n,) = struct.unpack("<Q", head)
+                start, tensors = safetensors_layout(head + fh.read(n))
+                boundaries = [start] + [t.offset for t in tensors]
+            hashes = []
+            for a, b in cut_ranges(size, boundaries, chunk_size):
+                fh.seek(a)
+                piece = fh.read(b - a)
+                h = chunk_hash(piece)
+                sink(h, piece)
+                hashes.append(h)
+        files.append(FileEntry(path.name, size, hashes))
+    return CutModelDir(files, tensors)
 
 
 def sign_manifest(manifest: Manifest, key_pair: KeyPair) -> SignedManifest:

@@ -7,9 +7,9 @@ import shutil
 from pathlib import Path
 
 from libp2p.crypto.keys import KeyPair
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import save_file
 
-from node.weights.encoding import encode_int8
+from node.weights.encoding import encode_int8, read_float_tensors
 from node.weights.manifest import WEIGHTS_FILE, cut_model_dir, sign_manifest
 from node.weights.store import ChunkStore
 from protocols.weights import Manifest, SignedManifest
@@ -17,7 +17,7 @@ from protocols.weights import Manifest, SignedManifest
 
 class Publisher:
     def __init__(
-        self, store: ChunkStore, key_pair: KeyPair, swarm_name: str, chunk_size: int = 1 << 20, encoding: str = "fp32"
+        self, store: ChunkStore, key_pair: KeyPair, swarm_name: str, chunk_size: int = 1 << 20, encoding: str = "native"
     ) -> None:
         self.store = store
         self.key_pair = key_pair
@@ -34,12 +34,13 @@ class Publisher:
         """Blocking (run it in a thread). Consumes ``model_dir``; returns (manifest id, signed manifest, manifest)."""
         if self.encoding == "int8":
             weights = model_dir / WEIGHTS_FILE
-            save_file(encode_int8(load_file(str(weights))), str(weights), metadata={"format": "pt"})
-        cut = cut_model_dir(model_dir, self.chunk_size)
-        self.store.put_verified(cut.chunks)
+            encoded = encode_int8(read_float_tensors(weights))
+            weights.unlink()  # it may be a hard link to the learner's own copy: never write through it
+            save_file(encoded, str(weights), metadata={"format": "pt"})
+        cut = cut_model_dir(model_dir, self.chunk_size, self.store.put_hashed)
         manifest = Manifest(
             self.swarm_name, version, self.last_version, self.encoding, self.chunk_size, cut.files, cut.tensors
-        )
+        )  # "native": the file's own dtypes (bf16 or fp32, as the learner published)
         signed = sign_manifest(manifest, self.key_pair)
         mid = self.store.add_manifest(signed, manifest)
         shutil.rmtree(model_dir, ignore_errors=True)

@@ -63,6 +63,10 @@ class ChunkStore:
         """Store a chunk after checking that its blake3 matches ``h``; a mismatch raises BadChunk."""
         if chunk_hash(data) != h:
             raise BadChunk(f"chunk {h.hex()[:12]} failed its blake3 check")
+        self.put_hashed(h, data)
+
+    def put_hashed(self, h: bytes, data: bytes) -> None:
+        """Store a chunk whose hash this node computed itself (publishing); peers' chunks go through ``write``."""
         if h in self._present:
             return
         path = self._chunk_path(h)

@@ -5,6 +5,7 @@ then announces that it holds the version so others fetch from it."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,8 @@ class WeightSync:
         self.current: int = -1
         self.target: tuple[int, bytes, w.Manifest] | None = None
         self.forged_manifests = 0
+        self.heard_at: dict[int, float] = {}  # version -> when its signed manifest was accepted
+        self.last_swap_seconds: float | None = None  # from a version's announcement to the engine running it
         self.download: Download | None = None
         self._target_changed = trio.Event()
 
@@ -72,6 +75,8 @@ class WeightSync:
             "peers_struck": dict(self.strikes.counts),
             "forged_manifests": self.forged_manifests,
         }
+        if self.last_swap_seconds is not None:
+            out["last_swap_seconds"] = round(self.last_swap_seconds, 3)
         d = self.download
         if d is not None and d.missing and self.target is not None and self.target[0] > self.current:
             have = len(d.chunks) - len(d.missing)
@@ -123,6 +128,7 @@ class WeightSync:
             return
         self.store.add_manifest(signed, manifest)
         self.target = (manifest.version, mid, manifest)
+        self.heard_at[manifest.version] = time.monotonic()
         log.info(
             "new version %d announced (%d chunks, %.1f MB)",
             manifest.version,
@@ -184,6 +190,11 @@ class WeightSync:
         path = await trio.to_thread.run_sync(self.store.assemble, manifest)
         await self.on_version(manifest.version, path)
         self.current = manifest.version
+        heard = self.heard_at.pop(manifest.version, None)
+        if heard is not None:
+            self.last_swap_seconds = time.monotonic() - heard
+        for v in [v for v in self.heard_at if v < manifest.version]:
+            del self.heard_at[v]
         try:
             await self.gossip.publish(announce_topic(self.swarm_name), w.announce(manifest.version, mid))
         except Exception as exc:

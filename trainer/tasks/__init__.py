@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from trainer.errors import UserError
@@ -23,14 +24,20 @@ class Task(Protocol):
     def solved(self, seed: int, completion: str) -> bool: ...
 
 
-def load_task(spec: str) -> Task:
-    """Resolve a built-in task name, or 'package.module:factory' for a user task."""
+EVAL_SEED_BASE = 10**12  # seeds from here on are held out: evaluation only, never handed out for training
+
+
+def load_task(spec: str, reward: str = "exact") -> Task:
+    """A built-in task name, ``jsonl:PATH`` (a dataset; ``reward`` scores it), or 'package.module:factory'."""
     from trainer.tasks.arithmetic import AdditionTask
+    from trainer.tasks.dataset import JsonlTask
     from trainer.tasks.reverse import ReverseDigitsTask
 
     builtins = {"reverse": ReverseDigitsTask, "add": AdditionTask}
     if spec in builtins:
         return builtins[spec]()
+    if spec.startswith("jsonl:"):
+        return JsonlTask(Path(spec[len("jsonl:") :]), reward)
     if ":" not in spec:
         raise UserError(f"unknown task {spec!r}: use one of {sorted(builtins)} or 'module:factory'")
     module_name, attr = spec.split(":", 1)

@@ -1,0 +1,236 @@
+"""bench/scale: how the trainer's costs grow with model size. For models of about 3M, 30M and 300M parameters (one
+family: the embedded Qwen2 shape, built deterministically), a real swarm on loopback (bootstrap, trainer, one torch
+sampler, separate processes) takes a few GRPO steps, and this prints, per size:
+
+- trainer peak RSS per parameter, and the marginal bytes per parameter between sizes (fixed overhead cancels);
+- per step: forward+backward seconds, verification seconds (logprob recomputation), publishing seconds;
+- bytes per published version and publishing throughput; publishing as a fraction of a step;
+- seconds from a version's announcement to the sampler running it (download + reassembly + hot swap).
+
+A table (bench/results/scale.txt) and a figure (bench/results/scale.png). The batch is small (CPU), so a step here is
+short: publishing grows with parameters, a step with parameters x tokens, so the fraction falls with batch size.
+
+    .venv/bin/python bench/scale.py [--sizes 3 30 300] [--steps 3] [--dtype auto]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from tempfile import TemporaryDirectory
+
+from rich.console import Console
+from rich.table import Table
+
+from node.config import write_config_file
+from node.identity import load_or_create_key, peer_id_of
+from node.metrics import read_jsonl
+from node.status import read_status
+from trainer.base_model import build_base_model
+
+console = Console()
+RESULTS = Path(__file__).resolve().parent / "results"
+SHAPES = {3: (4, 256), 30: (10, 512), 300: (24, 1024)}  # millions of parameters -> (layers, hidden)
+CLI = [sys.executable, "-P", "-m", "node.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def status(d: Path) -> dict:
+    try:
+        return read_status(d)
+    except (OSError, ValueError):
+        return {}
+
+
+def params_of(model_dir: Path) -> int:
+    from node.weights.manifest import safetensors_layout
+
+    _, tensors = safetensors_layout((model_dir / "model.safetensors").read_bytes()[: 1 << 20])
+    sizes = {"F32": 4, "BF16": 2, "F16": 2}
+    return sum(t.nbytes // sizes[t.dtype] for t in tensors)
+
+
+def run_size(root: Path, mparams: int, steps: int, dtype: str) -> dict:
+    layers, hidden = SHAPES[mparams]
+    with console.status(f"{mparams}M: building the model"):
+        model = build_base_model(root / "model", layers=layers, hidden=hidden)
+    n_params = params_of(model)
+    port = free_port()
+    boot_id = peer_id_of(load_or_create_key(root / "boot" / "identity.key"))
+    trainer_id = peer_id_of(load_or_create_key(root / "trainer" / "identity.key"))
+    cfg = root / "bootstrap.toml"
+    write_config_file(cfg, "scale", [f"/ip4/127.0.0.1/tcp/{port}/p2p/{boot_id}"], str(trainer_id))
+    common = ["--config", str(cfg), "--provide-interval", "2", "--status-interval", "0.5", "--model", str(model)]
+
+    def spawn(role: str, name: str, *extra: str) -> subprocess.Popen:
+        argv = [*CLI, "node", "--role", role, "--data-dir", str(root / name), *common, *extra]
+        return subprocess.Popen(argv, cwd=root, stdout=open(root / f"{name}.log", "w"), stderr=subprocess.STDOUT)
+
+    procs = [spawn("bootstrap", "boot", "--listen", f"/ip4/127.0.0.1/tcp/{port}")]
+    try:
+        time.sleep(2)
+        procs.append(spawn("sampler", "s0", "--listen", "/ip4/127.0.0.1/tcp/0", "--engine", "torch"))
+        trainer = spawn(
+            "trainer",
+            "trainer",
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+            "--max-steps",
+            str(steps),
+            "--batch-groups",
+            "2",
+            "--group-size",
+            "4",
+            "--max-tokens",
+            "8",
+            "--eval-every",
+            "1000",
+            "--checkpoint-every",
+            "1000",
+            "--dashboard",
+            "off",
+            "--linger",
+            "600",
+            "--dtype",
+            dtype,
+            "--micro-batch-tokens",
+            "4096",
+        )
+        procs.append(trainer)
+        deadline = time.time() + 3600
+        with console.status(f"{mparams}M ({n_params / 1e6:.1f}M params): {steps} steps") as shown:
+            while time.time() < deadline:
+                done = [r for r in read_jsonl(root / "trainer" / "metrics.jsonl") if "time_learn" in r]
+                shown.update(f"{mparams}M ({n_params / 1e6:.1f}M params): step {len(done)}/{steps}")
+                last_v = done[-1]["version"] if done else -1
+                if len(done) >= steps and status(root / "s0").get("version") == last_v:
+                    break
+                for p in procs:
+                    if p.poll() is not None:
+                        raise SystemExit(f"a node exited ({p.args[6]}); see {root}/*.log")
+                time.sleep(1)
+            else:
+                raise SystemExit(f"{mparams}M did not finish within an hour")
+        t_status, s_status = status(root / "trainer"), status(root / "s0")
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=60)
+    steps_done = done[1:] or done  # the first step also pays one-off warm-up
+    mean = lambda key: sum(r[key] for r in steps_done) / len(steps_done)  # noqa: E731
+    return {
+        "mparams": mparams,
+        "params": n_params,
+        "peak_rss_mb": t_status["peak_rss_mb"],
+        "rss_per_param": t_status["peak_rss_mb"] * (1 << 20) / n_params,
+        "learn_s": mean("time_learn"),
+        "verify_s": mean("time_verify"),
+        "publish_s": mean("time_publish"),
+        "publish_bytes": steps_done[-1]["publish_bytes"],
+        "tokens": mean("tokens"),
+        "swap_s": s_status.get("last_swap_seconds", float("nan")),
+    }
+
+
+def plot(rows: list[dict], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    p = [r["params"] / 1e6 for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    axes[0].plot(p, [r["rss_per_param"] for r in rows], "o-", label="trainer peak RSS")
+    axes[0].axhline(20, color="grey", ls="--", label="target 20 B/param")
+    axes[0].set(
+        xscale="log", yscale="log", xlabel="parameters (M)", ylabel="bytes per parameter", title="trainer memory"
+    )
+    for key, label in (("learn_s", "forward+backward"), ("verify_s", "verification"), ("publish_s", "publishing")):
+        axes[1].plot(p, [r[key] for r in rows], "o-", label=label)
+    axes[1].plot(p, [r["swap_s"] for r in rows], "s--", label="announce -> swapped (sampler)")
+    axes[1].set(xscale="log", yscale="log", xlabel="parameters (M)", ylabel="seconds per step", title="time per step")
+    axes[2].plot(p, [r["publish_s"] / r["learn_s"] for r in rows], "o-", label="publish / forward+backward")
+    axes[2].plot(p, [r["verify_s"] / r["learn_s"] for r in rows], "o-", label="verify / forward+backward")
+    axes[2].axhline(0.1, color="grey", ls="--", label="publish target 0.1")
+    axes[2].set(xscale="log", xlabel="parameters (M)", ylabel="fraction of a step", title="overheads")
+    for ax in axes:
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    fig.suptitle("bench/scale: trainer costs by model size (2-core CPU, batch 2 groups x 4 x <=8 tokens)")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", type=int, nargs="+", default=[3, 30, 300], choices=sorted(SHAPES))
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"])
+    args = ap.parse_args()
+    rows = []
+    for m in args.sizes:
+        with TemporaryDirectory() as tmp:
+            rows.append(run_size(Path(tmp), m, args.steps, args.dtype))
+        console.print(json.dumps(rows[-1]))
+    table = Table(title="bench/scale: trainer costs by model size")
+    cols = (
+        "params",
+        "peak RSS",
+        "B/param",
+        "fwd+bwd s",
+        "verify s",
+        "publish s",
+        "publish MB",
+        "publish MB/s",
+        "publish/step",
+        "announce->swapped s",
+    )
+    for c in cols:
+        table.add_column(c)
+    lines = []
+    for r in rows:
+        cells = (
+            f"{r['params'] / 1e6:.1f}M",
+            f"{r['peak_rss_mb']:.0f} MB",
+            f"{r['rss_per_param']:.1f}",
+            f"{r['learn_s']:.2f}",
+            f"{r['verify_s']:.2f}",
+            f"{r['publish_s']:.2f}",
+            f"{r['publish_bytes'] / 1e6:.1f}",
+            f"{r['publish_bytes'] / 1e6 / max(r['publish_s'], 1e-9):.0f}",
+            f"{r['publish_s'] / r['learn_s']:.2f}",
+            f"{r['swap_s']:.2f}",
+        )
+        table.add_row(*cells)
+        lines.append("  ".join(f"{c}={v}" for c, v in zip(cols, cells, strict=True)))
+    for a, b in itertools.pairwise(rows):
+        marginal = (b["peak_rss_mb"] - a["peak_rss_mb"]) * (1 << 20) / (b["params"] - a["params"])
+        lines.append(f"marginal trainer RSS {a['mparams']}M -> {b['mparams']}M: {marginal:.1f} bytes per parameter")
+    console.print(table)
+    for line in lines[len(rows) :]:
+        console.print(line)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "scale.txt").write_text(
+        f"bench/scale ({time.strftime('%Y-%m-%d')}, this 2-core CPU box, dtype {args.dtype})\n"
+        + "\n".join(lines)
+        + "\n"
+    )
+    plot(rows, RESULTS / "scale.png")
+    console.print(f"wrote {RESULTS / 'scale.txt'} and {RESULTS / 'scale.png'}")
+
+
+if __name__ == "__main__":
+    main()

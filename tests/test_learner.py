@@ -1,0 +1,86 @@
+"""The learner on its own: micro-batched gradients equal the one-pass gradient, bf16 mixed precision publishes
+bf16 versions that score like the fp32 master weights, and version files stay bounded."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from trainer.groups import Group
+from trainer.learner import Learner
+from trainer.settings import LearnerSettings
+
+
+def groups(n: int, seed: int = 0) -> list[Group]:
+    """Groups with prompts and completions of different lengths (so micro-batches pad differently)."""
+    rng = random.Random(seed)
+    out = []
+    for g in range(n):
+        prompt = [1, *(rng.randrange(3, 13) for _ in range(rng.randrange(3, 9)))]
+        comps = [[rng.randrange(3, 13) for _ in range(rng.randrange(1, 9))] for _ in range(4)]
+        lps = [[-1.5] * len(c) for c in comps]
+        out.append(
+            Group(f"g{g}", "p", 0, "reverse", g, prompt, comps, lps, lps, [0.1, 0.9, 0.4, 0.0], [False] * 4, 1.0)
+        )
+    return out
+
+
+def learner(tmp_path, model_dir, **kw) -> Learner:
+    return Learner(model_dir, LearnerSettings(**kw), keep_versions=3, work_dir=tmp_path)
+
+
+def grads(ln: Learner) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in ln.model.named_parameters() if p.grad is not None}
+
+
+def test_micro_batched_gradients_equal_the_one_pass_gradient(tmp_path, tiny_model_dir):
+    batch = groups(6)
+    whole = learner(tmp_path / "a", tiny_model_dir, micro_batch_tokens=1 << 20)
+    stats_whole, n = whole.backward(batch)
+    small = learner(tmp_path / "b", tiny_model_dir, micro_batch_tokens=24)  # many micro-batches of a few rows
+    stats_small, n_small = small.backward(batch)
+    assert n == n_small == sum(len(c) for g in batch for c in g.completions)
+    g1, g2 = grads(whole), grads(small)
+    assert g1.keys() == g2.keys() and len(g1) > 10
+    for name in g1:
+        assert torch.allclose(g1[name], g2[name], rtol=1e-4, atol=1e-7), name
+    assert stats_whole.loss == pytest.approx(stats_small.loss, rel=1e-5)
+    assert stats_whole.tis_mean == pytest.approx(stats_small.tis_mean, rel=1e-6)
+
+
+def test_bf16_versions_are_bf16_and_score_close_to_the_fp32_master(tmp_path, tiny_model_dir):
+    ln = learner(tmp_path, tiny_model_dir, dtype="bf16", device="cpu")
+    metrics = ln.step(groups(4))
+    assert metrics["tokens"] > 0 and ln.steps == 1
+    assert ln.new_version() == 1
+    with safe_open(str(ln.scorer.path(1)), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    assert next(ln.model.parameters()).dtype == torch.float32  # master weights stay fp32
+    out = ln.save_model_dir(tmp_path / "published")
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    # the bf16 version scores within bf16 rounding of the fp32 master weights
+    fp32 = learner(tmp_path / "fp32", tiny_model_dir, dtype="fp32")
+    fp32.model.load_state_dict(ln.model.state_dict())
+    fp32.new_version()
+    g = groups(2, seed=1)
+    prompts = [g[0].prompt_ids] * 4
+    ours = ln.logprobs(1, prompts, g[0].completions, 1.0)
+    ref = fp32.logprobs(1, prompts, g[0].completions, 1.0)
+    diffs = [abs(a - b) for x, y in zip(ours, ref, strict=True) for a, b in zip(x, y, strict=True)]
+    assert max(diffs) < 0.1 and sum(diffs) / len(diffs) < 0.02
+
+
+def test_only_the_kept_versions_stay_on_disk_and_old_ones_cannot_be_scored(tmp_path, tiny_model_dir):
+    ln = learner(tmp_path, tiny_model_dir)
+    for _ in range(5):
+        ln.new_version()
+    assert ln.scorer.kept() == [3, 4, 5]
+    g = groups(1)[0]
+    assert ln.logprobs(2, [g.prompt_ids], g.completions[:1], 1.0) is None
+    assert ln.logprobs(3, [g.prompt_ids], g.completions[:1], 1.0) is not None
+    ln.skip_to_version(9)  # a restart after versions were published: nothing newer survives
+    assert ln.scorer.kept() == [9]

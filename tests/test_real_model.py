@@ -1,0 +1,70 @@
+"""A real local checkpoint end to end: a Llama with its own byte-level BPE tokenizer and chat template, a JSON-lines
+dataset task, bf16 mixed precision on the trainer, an MLX int8 sampler; every group verified, steps taken, the
+published versions open in stock transformers and mlx-lm."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import trio
+
+from tests.helpers import build_llama_bpe, start_bootstrap, start_sampler, start_trainer, wait_until
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return build_llama_bpe(tmp_path_factory.mktemp("llama") / "model")
+
+
+def write_dataset(path):
+    with open(path, "w") as fh:
+        for a in range(30):
+            for b in range(0, 30, 7):
+                fh.write(json.dumps({"prompt": f"What is {a} plus {b}?", "answer": a + b}) + "\n")
+    return path
+
+
+@pytest.mark.slow
+async def test_llama_bpe_chat_dataset_bf16_trainer_mlx_int8_sampler(tmp_path, llama_dir):
+    data = write_dataset(tmp_path / "sums.jsonl")
+    async with trio.open_nursery() as nursery:
+        boot = await start_bootstrap(nursery, tmp_path)
+        trainer = await start_trainer(
+            nursery,
+            tmp_path,
+            boot,
+            llama_dir,
+            task=f"jsonl:{data}",
+            reward="numeric",
+            chat_template=True,
+            dtype="bf16",
+            device="cpu",
+            group_size=4,
+            batch_groups=4,
+            max_tokens=8,
+            max_steps=3,
+            eval_every=3,
+            eval_size=8,
+            linger=30.0,
+            micro_batch_tokens=64,
+        )
+        sampler = await start_sampler(nursery, tmp_path, "s0", boot, engine="mlx", bits="8")
+        role = trainer.role
+        await wait_until(lambda: role.finished.is_set(), 300, what="3 training steps on the Llama")
+        ledger = role.intake.ledger
+        assert role.learner.steps == 3 and ledger.groups_trained >= 12
+        # every group the int8 sampler sent passed the logprob check against the trainer's bf16 version
+        assert role.intake.forged == 0 and ledger.rollouts_accepted > 0
+        await wait_until(lambda: sampler.role.versions.engine >= 1, 60, what="the sampler to swap to a new version")
+        version_dir = sampler.role.store.versions_dir / f"v{sampler.role.versions.engine}"
+        config = json.loads((version_dir / "config.json").read_text())
+        assert config["dtype"] == "bfloat16" and config["model_type"] == "llama"
+        nursery.cancel_scope.cancel()
+
+    import mlx_lm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    AutoModelForCausalLM.from_pretrained(version_dir)
+    assert AutoTokenizer.from_pretrained(version_dir).chat_template
+    mlx_lm.load(str(version_dir))
