@@ -27,6 +27,7 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
+from node import libp2p_patches
 from node.errors import UserError
 from node.private import PeerGate
 
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 
 
 def build_host(key_pair: KeyPair, psk: str | None = None) -> IHost:
+    libp2p_patches.apply()  # yamux read-loop deadlock and inbound-slot leak in libp2p 0.8.1: see that module
     noise = NoiseTransport(key_pair, noise_privkey=create_x25519_key_pair().private_key)
     return new_host(
         key_pair=key_pair,

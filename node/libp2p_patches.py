@@ -1,0 +1,328 @@
+"""Two fixes for py-libp2p 0.8.1, applied in place once per process by ``apply()`` (``node.host.build_host`` calls it).
+
+Each fix replaces a method on a py-libp2p class (the originals are kept, so ``unapply()`` / ``disabled()`` restore
+stock behaviour for tests that compare). Written against libp2p==0.8.1 exactly: ``apply()`` refuses any other
+version, because each replacement mirrors upstream code that may change. Line numbers below are 0.8.1's.
+
+1. yamux: the connection's read loop blocks on sends (issue 14)
+-----------------------------------------------------------------
+``Yamux.handle_incoming`` (stream_muxer/yamux/yamux.py) is the only task that reads the secured connection, yet it
+awaits ``Yamux._write_frame`` in three places: the ACK for an inbound SYN (l. 1377), the RST for a duplicate SYN
+(l. 1375) and the pong for a ping (l. 1487; ``_measure_rtt_loop`` pings 0.5 s after start, then every 30 s).
+``_write_frame`` (l. 851) takes the connection's ``_write_lock`` and writes to the socket. When both peers push data
+at once, each side's writers fill their TCP send buffer; the lock is then held by a data writer parked in
+``send_all``. Both read loops reach one of those writes (a ping is enough), wait for the lock, stop reading their
+socket, so neither TCP pipe drains and neither writer ever finishes: a permanent deadlock with no error (the 5 s
+zero-window timeout in ``YamuxStream.write`` does not fire, the writers are in the socket send, not waiting for
+credit). A window update is not sent by the read loop in 0.8.1, but by the *application reader* inside
+``YamuxStream.read`` (l. 529/581 -> ``_auto_tune_and_send_window_update`` l. 458 -> ``send_window_update`` l. 332 ->
+``_write_frame``), so readers also stall behind the same lock and queue up behind data frames, which is how the
+deadlock first looked ("blocked writing a window update").
+
+The fix (``Yamux._handle_incoming_with_ready_signal`` and ``Yamux._write_frame`` replaced):
+
+* each connection gets a small control queue and a sender task, started next to the read loop and cancelled with it;
+* a frame the read loop wants to send (ACK, RST, pong: 12-byte headers) is queued, never awaited: the read loop only
+  ever waits for the socket it reads, so both TCP pipes keep draining and the writers always make progress;
+* a pure window update (type WINDOW_UPDATE, flags 0) from any task is added to that stream's pending credit (summed,
+  one frame per stream however many reads happened) instead of being written inline: ``read()`` returns at once;
+* whoever takes ``_write_lock`` next (the sender task, or a writer about to send a frame) writes the queued control
+  frames first, in one socket write with its own frame. Control frames thus jump the queue of data frames (credit
+  reaches the peer sooner, fewer zero-window stalls) but never overtake a frame written after they were queued, so
+  per-stream order holds (ACK before the handler's first data, credit before FIN).
+
+Flow control is unchanged: ``recv_window`` is still credited synchronously under ``window_lock`` by upstream code at
+read time; only the transmission of the credit is deferred, and additive credit for one stream sums exactly. The
+queue is bounded: pongs beyond ``MAX_QUEUED_CONTROL_FRAMES`` are dropped (as go-yamux does), and a peer that makes us
+queue more than that many ACK/RST frames without reading our replies gets its connection closed (the read loop
+treats the raised RawConnError as a dead connection). Pending credit is at most one entry per live stream.
+
+A related stall is bounded too: ``Yamux.close`` (l. 786) writes GO_AWAY while holding ``streams_lock``, which the read
+loop needs for every DATA frame; two peers closing at once under load would each wait for a pipe the other no longer
+drains. GO_AWAY is a courtesy (the peer handles EOF the same way), so its write is bounded to ``GO_AWAY_SEND_TIMEOUT``.
+
+Not changed: ``YamuxStream.write`` (l. 280-289) still raises MuxedStreamError when a stream's send window stays at
+zero for 5 s, polling every 10 ms. With credit now sent promptly that only fires on a reader that really stops
+reading for 5 s (hashing, disk, a busy event loop), which go-yamux would simply wait out (writes block until credit,
+a deadline, reset or close). Keep draining streams promptly (LIBP2P_NOTES trap 3) and put deadlines in the
+application (node.rpc does). After that error NetStream only marks the stream reset locally: no RST goes out, and the
+peer's reader waits for the rest forever unless the writer calls ``stream.reset()`` (node.rpc does).
+
+2. inbound connection slots held until the swarm stops (issue 17, item 1)
+--------------------------------------------------------------------------
+``Swarm._handle_inbound_connection`` (network/swarm.py l. 1981-1999) takes a slot from ``_inbound_limiter``
+(max_connections - min_connections = 300 - 50 = 250 by default) and releases it when
+``_do_handle_inbound_connection`` returns. That method ends the upgrade with ``await self.manager.wait_finished()``
+(l. 2060, and l. 2044 for pre-multiplexed QUIC connections): it returns only when the whole swarm stops. The wait is
+there for a reason: the TCP listener runs each connection in a ``trio.serve_listeners`` handler that closes the socket
+when the handler returns, so the handler must outlive the connection. But it outlives it forever, so the slot, the
+handler task and its socket object are kept after the peer has gone: after 250 inbound connections over the node's
+life (any identities, even one peer reconnecting) every further inbound connection is closed unanswered.
+
+The fix (``Swarm._do_handle_inbound_connection`` replaced; the rest of the method is upstream's, unchanged) waits for
+the connection instead of the swarm: until the muxed connection's ``event_closed`` is set (yamux sets it on local
+close, on EOF or error, and it is what ``SwarmConn`` observes), or the swarm stops, whichever comes first. The slot
+then bounds *live* inbound connections, which is what the limiter's comment says it is for (keep room for outbound
+connections), and a closed connection's slot is free again immediately.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import struct
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, cast
+
+import trio
+from libp2p.abc import IMuxedConn
+from libp2p.network.connection.exceptions import RawConnError
+from libp2p.network.connection.raw_connection import RawConnection
+from libp2p.network.swarm import Swarm
+from libp2p.stream_muxer.yamux import yamux as _yamux
+
+log = logging.getLogger(__name__)
+
+LIBP2P_VERSION = "0.8.1"
+# queued ACK/RST/pong headers per connection (12 B each) before pongs are dropped and a flooding peer is cut off
+MAX_QUEUED_CONTROL_FRAMES = 4096
+GO_AWAY_SEND_TIMEOUT = 1.0
+_HEADER = struct.Struct(_yamux.YAMUX_HEADER_FORMAT)
+_MAX_INCREMENT = 0xFFFFFFFF
+
+_state: dict[str, Any] = {"applied": False, "suppressed": 0, "originals": {}}
+
+
+# -- 1. yamux -------------------------------------------------------------------------------------------------------
+
+
+class _ControlQueue:
+    """Frames waiting for the wire that nobody may block on: read-loop replies and coalesced window credit."""
+
+    __slots__ = ("closed", "credit", "frames", "reader", "wakeup")
+
+    def __init__(self, reader: trio.lowlevel.Task) -> None:
+        self.reader = reader  # the task running handle_incoming
+        self.frames: list[bytes] = []
+        self.credit: dict[int, int] = {}
+        self.wakeup = trio.Event()
+        self.closed = False
+
+    def push_frame(self, frame: bytes, droppable: bool) -> None:
+        if self.closed:
+            return
+        if len(self.frames) >= MAX_QUEUED_CONTROL_FRAMES:
+            if droppable:
+                return
+            raise RawConnError(f"yamux: peer left {len(self.frames)} control replies unread; closing the connection")
+        self.frames.append(frame)
+        self.wakeup.set()
+
+    def add_credit(self, stream_id: int, increment: int) -> None:
+        if self.closed or increment <= 0:
+            return
+        self.credit[stream_id] = self.credit.get(stream_id, 0) + increment
+        self.wakeup.set()
+
+    def take(self) -> bytes:
+        """Everything queued, as one byte string (call with the connection's write lock held)."""
+        if not self.frames and not self.credit:
+            return b""
+        out = self.frames
+        self.frames = []
+        for stream_id, total in self.credit.items():
+            while total > 0:
+                inc = min(total, _MAX_INCREMENT)
+                out.append(_HEADER.pack(0, _yamux.TYPE_WINDOW_UPDATE, 0, stream_id, inc))
+                total -= inc
+        self.credit.clear()
+        return b"".join(out)
+
+
+async def _control_sender(conn: _yamux.Yamux, ctrl: _ControlQueue) -> None:
+    while True:
+        await ctrl.wakeup.wait()
+        ctrl.wakeup = trio.Event()
+        try:
+            async with conn._write_lock:
+                batch = ctrl.take()
+                if batch:
+                    await conn.secured_conn.write(batch)
+        except Exception as exc:  # the connection is gone; the read loop sees it and cleans up
+            log.debug("yamux control sender for %s stops: %s: %s", conn.peer_id, type(exc).__name__, exc)
+            ctrl.closed = True
+            ctrl.frames.clear()
+            ctrl.credit.clear()
+            return
+
+
+async def _handle_incoming_with_ready_signal(
+    self: _yamux.Yamux, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Upstream's read-loop task, with a control-frame sender running beside it for its whole life."""
+    ctrl = _ControlQueue(trio.lowlevel.current_task())
+    self._swarmrl_ctrl = ctrl  # type: ignore[attr-defined]
+    original = _state["originals"]["Yamux._handle_incoming_with_ready_signal"]
+    task_status.started()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_control_sender, self, ctrl)
+        try:
+            await original(self)  # runs handle_incoming in this task; its own started() is then a no-op
+        finally:
+            ctrl.closed = True
+            nursery.cancel_scope.cancel()
+
+
+async def _write_frame(self: _yamux.Yamux, data: bytes) -> None:
+    """Upstream ``_write_frame``, except that nothing the read loop sends, and no window credit, waits for the wire."""
+    ctrl: _ControlQueue | None = getattr(self, "_swarmrl_ctrl", None)
+    if ctrl is None or ctrl.closed:  # a connection started before apply(), or one that is shutting down
+        await _state["originals"]["Yamux._write_frame"](self, data)
+        return
+    typ = flags = -1
+    if len(data) >= _yamux.HEADER_SIZE:
+        _, typ, flags, stream_id, length = _HEADER.unpack_from(data)
+        if typ == _yamux.TYPE_WINDOW_UPDATE and flags == 0 and len(data) == _yamux.HEADER_SIZE:
+            ctrl.add_credit(stream_id, length)
+            return
+    if trio.lowlevel.current_task() is ctrl.reader:
+        if not self.event_shutting_down.is_set():
+            ctrl.push_frame(data, droppable=typ == _yamux.TYPE_PING)
+        return
+    if typ == _yamux.TYPE_GO_AWAY:
+        with trio.move_on_after(GO_AWAY_SEND_TIMEOUT) as scope:
+            await _write_with_pending(self, ctrl, data)
+        if scope.cancelled_caught:
+            log.debug("yamux: GO_AWAY to %s not sent within %.0f s; closing anyway", self.peer_id, GO_AWAY_SEND_TIMEOUT)
+        return
+    await _write_with_pending(self, ctrl, data)
+    await trio.lowlevel.checkpoint()
+
+
+async def _write_with_pending(conn: _yamux.Yamux, ctrl: _ControlQueue, data: bytes) -> None:
+    async with conn._write_lock:
+        pending = ctrl.take()
+        await conn.secured_conn.write(pending + data if pending else data)
+
+
+# -- 2. swarm inbound slots -----------------------------------------------------------------------------------------
+
+
+async def _wait_until_closed(swarm: Swarm, muxed_conn: IMuxedConn) -> None:
+    """Return when ``muxed_conn`` has closed or the swarm has stopped, whichever is first."""
+    async with trio.open_nursery() as nursery:
+
+        async def first(wait: Callable[[], Awaitable[Any]]) -> None:
+            await wait()
+            nursery.cancel_scope.cancel()
+
+        async def poll_closed() -> None:
+            while not muxed_conn.is_closed:
+                await trio.sleep(1.0)
+
+        event = getattr(muxed_conn, "event_closed", None)
+        nursery.start_soon(first, swarm.manager.wait_finished)
+        nursery.start_soon(first, event.wait if isinstance(event, trio.Event) else poll_closed)
+
+
+async def _do_handle_inbound_connection(self: Swarm, read_write_closer: Any, maddr: Any, failure_event: Any) -> None:
+    """Upstream's method (swarm.py l. 2001-2073) with its two barriers waiting for the connection, not the swarm."""
+    remote_maddr = self._build_remote_multiaddr(read_write_closer)
+    if remote_maddr is not None:
+        if not await self.connection_gate.is_allowed(remote_maddr):
+            log.debug("Inbound connection from %s denied by connection gate", remote_maddr)
+            try:
+                await read_write_closer.close()
+                failure_event.conn_incoming_error = True
+                if self.metric_send_channel is not None:
+                    await self.metric_send_channel.send(failure_event)
+            except Exception:
+                pass
+            return
+
+    if isinstance(read_write_closer, IMuxedConn):  # QUIC, WebTransport: already multiplexed
+        try:
+            muxed_conn = cast(IMuxedConn, read_write_closer)
+            await self.add_conn(muxed_conn, direction="inbound")
+            await _wait_until_closed(self, muxed_conn)  # upstream: await self.manager.wait_finished()
+        except Exception:
+            await read_write_closer.close()
+            failure_event.conn_incoming_error = True
+            if self.metric_send_channel is not None:
+                await self.metric_send_channel.send(failure_event)
+        return
+
+    raw_conn = None
+    try:
+        raw_conn = RawConnection(read_write_closer, False)
+        muxed_conn = await self.upgrade_inbound_raw_conn(raw_conn, maddr)
+        # The listener closes the socket when this handler returns: stay until the connection is over.
+        await _wait_until_closed(self, muxed_conn)  # upstream: await self.manager.wait_finished()
+    except Exception as e:
+        log.debug("Error handling incoming connection: %s", e)
+        try:
+            if raw_conn is not None:
+                await raw_conn.close()
+            else:
+                await read_write_closer.close()
+                failure_event.conn_incoming_error = True
+                if self.metric_send_channel is not None:
+                    await self.metric_send_channel.send(failure_event)
+        except Exception:
+            pass
+
+
+# -- applying -------------------------------------------------------------------------------------------------------
+
+_PATCHES: tuple[tuple[type, str, Callable[..., Any]], ...] = (
+    (_yamux.Yamux, "_handle_incoming_with_ready_signal", _handle_incoming_with_ready_signal),
+    (_yamux.Yamux, "_write_frame", _write_frame),
+    (Swarm, "_do_handle_inbound_connection", _do_handle_inbound_connection),
+)
+
+
+def apply() -> None:
+    """Install the fixes (idempotent; a no-op inside ``disabled()``)."""
+    if _state["applied"] or _state["suppressed"]:
+        return
+    version = importlib.metadata.version("libp2p")
+    if version != LIBP2P_VERSION:
+        raise RuntimeError(
+            f"node/libp2p_patches.py was written against libp2p=={LIBP2P_VERSION}, found {version}: "
+            "check whether upstream fixed the bugs it describes, then update or drop the patches"
+        )
+    originals = _state["originals"]
+    for cls, name, replacement in _PATCHES:
+        current = cls.__dict__[name]
+        if getattr(current, "__module__", None) != __name__:  # never record a replacement as the original
+            originals[f"{cls.__name__}.{name}"] = current
+        setattr(cls, name, replacement)
+    _state["applied"] = True
+
+
+def unapply() -> None:
+    """Restore py-libp2p's own methods. Connections started while patched keep running their read-loop wrapper."""
+    if not _state["applied"]:
+        return
+    for cls, name, _ in _PATCHES:
+        setattr(cls, name, _state["originals"][f"{cls.__name__}.{name}"])
+    _state["applied"] = False
+
+
+def is_applied() -> bool:
+    return bool(_state["applied"])
+
+
+@contextmanager
+def disabled() -> Iterator[None]:
+    """Stock py-libp2p inside the block (``apply()`` calls are ignored there); the previous state after it."""
+    was = is_applied()
+    unapply()
+    _state["suppressed"] += 1
+    try:
+        yield
+    finally:
+        _state["suppressed"] -= 1
+        if was:
+            apply()

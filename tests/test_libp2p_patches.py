@@ -1,0 +1,234 @@
+"""node/libp2p_patches.py: each py-libp2p 0.8.1 bug reproduced on stock code, and gone with the patch.
+
+Hosts are real ones from ``node.host.build_host`` (TCP + Noise + yamux) on 127.0.0.1; the stock runs are the same
+scenario inside ``libp2p_patches.disabled()``.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import multiaddr
+import pytest
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.network.connection.exceptions import RawConnError
+from libp2p.network.swarm import Swarm
+from libp2p.peer.peerinfo import PeerInfo
+from libp2p.stream_muxer.yamux import yamux as yamux_module
+
+from node import libp2p_patches
+from node.host import build_host
+
+LISTEN = multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")
+PUSH = "/swarmrl-test/push/1"
+
+
+def info(host) -> PeerInfo:
+    return PeerInfo(host.get_id(), [a for a in host.get_addrs() if "127.0.0.1" in str(a)])
+
+
+# -- apply / unapply ------------------------------------------------------------------------------------------------
+
+
+def test_apply_is_idempotent_and_reversible():
+    stock_write = libp2p_patches._state["originals"].get("Yamux._write_frame") or yamux_module.Yamux._write_frame
+    libp2p_patches.apply()
+    patched_write = yamux_module.Yamux._write_frame
+    patched_inbound = Swarm._do_handle_inbound_connection
+    assert patched_write is libp2p_patches._write_frame
+    libp2p_patches.apply()  # a second call changes nothing (build_host calls it for every host)
+    assert yamux_module.Yamux._write_frame is patched_write
+    assert Swarm._do_handle_inbound_connection is patched_inbound
+    with libp2p_patches.disabled():
+        assert not libp2p_patches.is_applied()
+        assert yamux_module.Yamux._write_frame is stock_write
+        build_host(create_new_key_pair())  # its apply() call is ignored in here
+        assert yamux_module.Yamux._write_frame is stock_write
+    assert libp2p_patches.is_applied()
+    assert yamux_module.Yamux._write_frame is patched_write
+    libp2p_patches.unapply()
+    libp2p_patches.unapply()
+    assert yamux_module.Yamux._write_frame is stock_write
+    libp2p_patches.apply()
+    assert yamux_module.Yamux._write_frame is patched_write
+
+
+def test_control_queue_sums_credit_per_stream_and_bounds_replies(monkeypatch):
+    monkeypatch.setattr(libp2p_patches, "MAX_QUEUED_CONTROL_FRAMES", 3)
+    header = struct.Struct(yamux_module.YAMUX_HEADER_FORMAT)
+    ack = header.pack(0, yamux_module.TYPE_WINDOW_UPDATE, yamux_module.FLAG_ACK, 2, 0)
+    pong = header.pack(0, yamux_module.TYPE_PING, yamux_module.FLAG_ACK, 0, 7)
+    queue = libp2p_patches._ControlQueue(reader=None)  # type: ignore[arg-type]
+    queue.push_frame(ack, droppable=False)
+    queue.add_credit(3, 1000)
+    queue.add_credit(5, 10)
+    queue.add_credit(3, 24)  # one frame for stream 3, carrying both increments
+    assert queue.take() == ack + header.pack(0, yamux_module.TYPE_WINDOW_UPDATE, 0, 3, 1024) + header.pack(
+        0, yamux_module.TYPE_WINDOW_UPDATE, 0, 5, 10
+    )
+    assert queue.take() == b""
+    for _ in range(3):
+        queue.push_frame(ack, droppable=False)
+    queue.push_frame(pong, droppable=True)  # a pong beyond the bound is dropped, as go-yamux does
+    with pytest.raises(RawConnError):  # a peer that never reads our ACK/RST replies is cut off
+        queue.push_frame(ack, droppable=False)
+    assert queue.take() == ack * 3
+
+
+# -- 1. yamux: both peers pushing over one connection ---------------------------------------------------------------
+
+STREAMS = 8  # per direction
+MIB_PER_STREAM = 8
+READ_PAUSE = 0.002  # the receiving handler "works" 2 ms per 64 KiB read: it lags, it never stops
+
+
+async def push_both_ways(stall_after: float, limit: float) -> tuple[int, int, list[str]]:
+    """8 streams each way push 8 MiB at once over one connection; returns (received, expected, errors).
+
+    Gives up when no byte has been received for ``stall_after`` seconds, or after ``limit`` seconds.
+    """
+    expected = 2 * STREAMS * MIB_PER_STREAM << 20
+    received = 0
+    errors: list[str] = []
+
+    async def sink(stream) -> None:
+        nonlocal received
+        try:
+            while True:
+                data = await stream.read(1 << 16)
+                received += len(data)
+                await trio.sleep(READ_PAUSE)
+        except Exception:  # StreamEOF at the end (or a reset, which the byte count then shows)
+            pass
+
+    async def push(src, dst) -> None:
+        blob = bytes(1 << 20)
+        try:
+            stream = await src.new_stream(dst.get_id(), [PUSH])
+            for _ in range(MIB_PER_STREAM):
+                await stream.write(blob)
+            await stream.close()
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+
+    a, b = build_host(create_new_key_pair()), build_host(create_new_key_pair())
+    with trio.fail_after(limit + 20):  # the run, then closing both hosts (a deadlocked connection included)
+        async with a.run([LISTEN]), b.run([LISTEN]):
+            a.set_stream_handler(PUSH, sink)
+            b.set_stream_handler(PUSH, sink)
+            await b.connect(info(a))
+            with trio.move_on_after(limit):
+                async with trio.open_nursery() as nursery:
+
+                    async def watchdog() -> None:
+                        last, since = -1, trio.current_time()
+                        while received < expected and trio.current_time() - since < stall_after:
+                            if received != last:
+                                last, since = received, trio.current_time()
+                            await trio.sleep(0.1)
+                        nursery.cancel_scope.cancel()
+
+                    nursery.start_soon(watchdog)
+                    for _ in range(STREAMS):
+                        nursery.start_soon(push, a, b)
+                        nursery.start_soon(push, b, a)
+    return received, expected, errors
+
+
+@pytest.fixture
+def frequent_pings(monkeypatch):
+    """Yamux pings 0.5 s after a connection starts, then every 30 s, for the connection's whole life; a ping answered
+    while both TCP pipes are full is what locks the stock read loops. Pinging every 50 ms makes that happen within a
+    second or two instead of sometime during a long transfer (the first ping alone caught it in ~2 runs of 3 here)."""
+    monkeypatch.setattr(yamux_module, "RTT_MEASURE_INTERVAL", 0.05)
+
+
+async def test_stock_yamux_deadlocks_when_both_peers_push(frequent_pings):
+    with libp2p_patches.disabled():
+        received, expected, _ = await push_both_ways(stall_after=4.0, limit=20.0)
+    # both read loops sit in _write_frame (a pong) behind a writer parked in a full socket: nothing moves, ever
+    assert received < expected // 2, f"stock py-libp2p was expected to stall, yet moved {received} of {expected} B"
+
+
+async def test_patched_yamux_completes_when_both_peers_push(frequent_pings):
+    libp2p_patches.apply()
+    received, expected, errors = await push_both_ways(stall_after=8.0, limit=25.0)
+    assert errors == []
+    assert received == expected
+
+
+# -- 2. inbound connection slots ------------------------------------------------------------------------------------
+
+
+IDENTITIES = 300
+
+
+async def churn(server, count: int, batch: int = 75) -> int:
+    """``count`` fresh identities each connect to ``server`` and leave again, ``batch`` at a time; returns how many
+    could not connect (each gets a second try, so a handshake slowed down by a loaded machine is not a refusal)."""
+    refused = 0
+
+    async def visit() -> None:
+        nonlocal refused
+        client = build_host(create_new_key_pair())
+        async with client.run([]):
+            for _ in range(2):
+                try:
+                    with trio.fail_after(20):
+                        await client.connect(info(server))
+                        await client.disconnect(server.get_id())
+                    return
+                except Exception:
+                    await trio.sleep(0.5)
+        refused += 1
+
+    for start in range(0, count, batch):
+        async with trio.open_nursery() as nursery:
+            for _ in range(min(batch, count - start)):
+                nursery.start_soon(visit)
+    return refused
+
+
+async def fresh_identity_connects(server) -> bool:
+    client = build_host(create_new_key_pair())
+    async with client.run([]):
+        try:
+            with trio.fail_after(10):
+                await client.connect(info(server))
+                await trio.sleep(0.3)  # a refused connection is closed right after the dial
+        except Exception:
+            return False
+        return server.get_id() in client.get_connected_peers()
+
+
+async def run_slot_scenario() -> tuple[int, int, int, bool]:
+    """300 identities come and go; returns (slots, slots still held, identities refused, a newcomer connects)."""
+    server = build_host(create_new_key_pair())
+    async with server.run([LISTEN]):
+        limiter = server.get_network()._inbound_limiter
+        cap = int(limiter.total_tokens)
+        assert cap == 250  # max_connections - min_connections = 300 - 50
+        refused = await churn(server, IDENTITIES)
+        with trio.fail_after(10):  # the server notices every peer has gone
+            while server.get_network().get_connections():
+                await trio.sleep(0.1)
+        with trio.move_on_after(2):  # and its connection handlers return
+            while limiter.borrowed_tokens:
+                await trio.sleep(0.1)
+        return cap, int(limiter.borrowed_tokens), refused, await fresh_identity_connects(server)
+
+
+async def test_stock_swarm_keeps_inbound_slots_of_closed_connections():
+    with libp2p_patches.disabled():
+        cap, held, refused, connects = await run_slot_scenario()
+    assert held == cap  # every slot taken, with no connection open
+    assert refused == IDENTITIES - cap
+    assert not connects
+
+
+async def test_patched_swarm_frees_inbound_slots_when_connections_close():
+    libp2p_patches.apply()
+    _, held, refused, connects = await run_slot_scenario()
+    assert (held, refused) == (0, 0)
+    assert connects
