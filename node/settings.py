@@ -39,6 +39,7 @@ class TrainerSettings:
     work_rate: float = knob(2.0, "leases/s one peer may ask for")
     work_burst: float = knob(8.0, "lease token bucket size")
     max_strikes: int = knob(3, "forged groups before a peer is banned")
+    durable_acks: bool = knob(True, "fsync the rollout journal (group commit) before acknowledging a group")
     max_buffered: int = knob(4096, "most verified groups waiting for a step (the oldest fall off as stale)")
     linger: float = knob(2.0, "seconds to keep serving weights after --max-steps")
     dashboard: str = knob("127.0.0.1:8470", "host:port of the trainer's read-only web dashboard, or 'off'")

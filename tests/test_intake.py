@@ -117,3 +117,48 @@ def test_the_sampler_and_the_intake_import_no_torch():
     code = "import node.roles.sampler, node.intake, sys; assert 'torch' not in sys.modules, 'torch was imported'"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+async def test_copies_of_one_group_racing_in_are_accepted_once(tmp_path):
+    """Six copies of one group with fresh rollout ids, sent at once: the seed is trained on once (issue 17, 5)."""
+    intake = make_intake(tmp_path)
+    lease = intake.lease(WorkRequest(1), "mallory", version=0)
+    spec = lease.tasks[0]
+    copies = []
+    for k in range(6):
+        m = group_for(intake, "mallory", spec, lease, ["1", "22"])
+        m["group_id"] = f"copy{k}"
+        for j, sample in enumerate(m["samples"]):
+            sample["rollout_id"] = f"copy{k}/{j}"
+        copies.append(m)
+    acks = []
+
+    async def send(m: dict) -> None:
+        acks.append(await intake.submit(m, "mallory", 0))
+
+    async with trio.open_nursery() as nursery:
+        for m in copies:
+            nursery.start_soon(send, m)
+    assert sum(bool(a.accepted) for a in acks) == 1
+    refused = [a.rejected[0][1] for a in acks if not a.accepted]
+    assert len(refused) == 5 and all("not open" in r or "expired lease" in r for r in refused), refused
+    assert intake.ledger.groups_accepted == 1
+
+
+async def test_acks_wait_for_a_shared_fsync(tmp_path):
+    """Durable acks: every accepted group is fsynced before its ack, and concurrent ones share fsyncs."""
+    intake = make_intake(tmp_path, groups_per_lease=16)
+    lease = intake.lease(WorkRequest(16), "alice", version=0)
+    synced_at_ack = []
+
+    async def send(spec) -> None:
+        ack = await intake.submit(group_for(intake, "alice", spec, lease, ["1", "22"]), "alice", 0)
+        assert ack.accepted
+        synced_at_ack.append(intake.journal.synced)
+
+    async with trio.open_nursery() as nursery:
+        for spec in lease.tasks:
+            nursery.start_soon(send, spec)
+    journal = intake.journal
+    assert journal.appended == 16 and journal.synced == 16 and min(synced_at_ack) >= 1
+    assert journal.fsyncs < 16  # group commit: waiting acks shared fsyncs

@@ -69,6 +69,7 @@ class RolloutIntake:
         self.forged = 0
         self.refused_by_peer: dict[str, int] = {}  # groups rejected or forged, per peer (for the dashboard)
         self.first_accepted_at: float | None = None  # monotonic time of the first group: the trainer's work starts
+        self._checking: dict[tuple[str, str, int], trio.Event] = {}  # submissions being checked, by peer/lease/seed
         self._arrived = trio.Event()
 
     # -- work --------------------------------------------------------------------------------------------
@@ -80,14 +81,29 @@ class RolloutIntake:
 
     # -- rollouts ----------------------------------------------------------------------------------------
     async def submit(self, message: dict[str, Any], peer: str, version: int) -> RolloutAck:
-        """Check one group and, if it is good, journal and buffer it before acknowledging it."""
+        """Check one group and, if it is good, journal it durably and buffer it before acknowledging it.
+
+        Submissions for one (peer, lease, seed) are checked one at a time: a resend, or a copy with fresh rollout
+        ids, waits for the first one's verdict and then meets a closed seed or known ids, so one seed can never be
+        accepted twice however many copies race in."""
         self.rollout_limit.take(peer)  # before any checking: a flood costs only this
         g = RolloutGroup.from_wire(message)
         ids = [s.rollout_id for s in g.samples]
         if self.strikes.is_banned(peer):
             return RolloutAck(rejected=[(i, "peer is banned") for i in ids])
+        key = (peer, g.lease_id, g.seed)
+        while (first := self._checking.get(key)) is not None:
+            await first.wait()
         if all(self.buffer.is_duplicate(i) for i in ids):
             return RolloutAck(duplicate=ids)
+        self._checking[key] = done = trio.Event()
+        try:
+            return await self._admit(g, ids, peer, version)
+        finally:
+            del self._checking[key]
+            done.set()
+
+    async def _admit(self, g: RolloutGroup, ids: list[str], peer: str, version: int) -> RolloutAck:
         try:
             group = await self.verifier.verify(g, peer, version)
         except Forged as exc:
@@ -100,10 +116,15 @@ class RolloutIntake:
             self.rejected += 1
             self._count_refusal(peer)
             return RolloutAck(rejected=[(i, str(exc)) for i in ids])
-        if all(self.buffer.is_duplicate(i) for i in ids):  # a resend that raced the original
-            return RolloutAck(duplicate=ids)
         self.leases.close_seed(g.lease_id, g.seed)
-        self.journal.append(group, ids)  # on disk before the ack goes out
+        seq = self.journal.append(group, ids)
+        self.buffer.seen_ids.update(ids)  # known from here on: a resend waiting on the fsync is a duplicate
+        if self.settings.durable_acks:
+            try:
+                await self.journal.sync(seq)  # group commit: one fsync covers every append made before it
+            except BaseException:
+                self.buffer.seen_ids.difference_update(ids)
+                raise
         self._buffer(group, ids, count=True)
         return RolloutAck(accepted=ids)
 

@@ -1,23 +1,27 @@
 """A write-ahead journal of accepted rollout groups, so a trainer that dies loses none of them.
 
-A group is appended (and flushed to the OS) before its ack is sent. The journal is cut into segments, one
+A group is appended, and with durable acks fsynced, before its ack is sent: ``sync`` is a group commit, so one
+fsync (in a worker thread, on a duplicate of the file descriptor) covers every record appended before it began,
+and concurrent submissions share it instead of queueing one fsync each. The journal is cut into segments, one
 per checkpoint: when the trainer checkpoints, it opens segment ``e`` holding a snapshot of the groups then
 buffered, and the checkpoint records ``e``. On restart, segment ``e``'s snapshot plus every group accepted
 after it (in ``e`` or any later segment) go back into the buffer; groups trained since the checkpoint are
 trained again, which is right, because the model went back to the checkpoint too. Segments older than the
 checkpoint's are deleted once it is safely on disk. A record torn by a crash ends the replay quietly.
-Flushing survives a killed process, not a lost machine (no fsync per group: it would cap the ack rate).
+A new segment (written at a checkpoint) is fsynced with its directory before the checkpoint names it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import struct
 from pathlib import Path
 from typing import BinaryIO
 
 import msgpack
+import trio
 
 from trainer.groups import Group
 
@@ -57,25 +61,56 @@ class RolloutJournal:
         self.root.mkdir(parents=True, exist_ok=True)
         self.epoch = -1
         self._file: BinaryIO | None = None
+        self.appended = 0  # records appended since this process started
+        self.synced = 0  # of those, how many are known to be on stable storage
+        self.fsyncs = 0
+        self._sync_lock = trio.Lock()
 
     def _write(self, snap: bool, group: Group, ids: list[str]) -> None:
         assert self._file is not None, "open a segment first"
         body = msgpack.packb({"snap": snap, "g": dataclasses.asdict(group), "ids": ids}, use_bin_type=True)
         self._file.write(HEADER.pack(len(body)) + body)
 
-    def append(self, group: Group, rollout_ids: list[str]) -> None:
+    def append(self, group: Group, rollout_ids: list[str]) -> int:
+        """Write a record (to the OS: it survives a killed process); returns its number for ``sync``."""
         self._write(False, group, rollout_ids)
         self._file.flush()  # type: ignore[union-attr]
+        self.appended += 1
+        return self.appended
+
+    async def sync(self, upto: int) -> None:
+        """Return once record ``upto`` is on stable storage (survives a lost machine)."""
+        async with self._sync_lock:
+            if self.synced >= upto or self._file is None:
+                return
+            target = self.appended
+            fd = os.dup(self._file.fileno())  # stays valid if a checkpoint rotates the segment meanwhile
+            try:
+                await trio.to_thread.run_sync(os.fsync, fd)
+            finally:
+                os.close(fd)
+            self.fsyncs += 1
+            self.synced = max(self.synced, target)
 
     def start_segment(self, epoch: int, snapshot: list[tuple[Group, list[str]]]) -> None:
-        """Begin segment ``epoch`` with the groups buffered now; later appends go there."""
+        """Begin segment ``epoch`` with the groups buffered now; later appends go there. Blocking fsyncs: this
+        happens once per checkpoint, and the checkpoint must not name a segment that is not on disk."""
         if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
             self._file.close()
+            self.synced = self.appended
         self._file = open(_segment(self.root, epoch), "wb")
         self.epoch = epoch
         for group, ids in snapshot:
             self._write(True, group, ids)
         self._file.flush()
+        os.fsync(self._file.fileno())
+        dir_fd = os.open(self.root, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
 
     def last_epoch(self) -> int:
         return max(_epochs(self.root), default=-1)
