@@ -1,7 +1,25 @@
-"""Discovery through the Kad-DHT: roles provide swarm-scoped keys; peers find each other with find_providers."""
+"""Discovery through the Kad-DHT: roles provide swarm-scoped keys; peers find each other with find_providers.
+
+DHT keys. A role has a readable key, ``/swarmrl/<swarm>/<role>`` (``role_key``, used in logs), and a DHT key
+derived from it (``role_cid``, ``dht_key``): the CIDv1 of the readable key's UTF-8 bytes, raw codec, sha256::
+
+    multihash = 0x12 0x20 || sha256(utf8("/swarmrl/<swarm>/<role>"))     # sha2-256, 32-byte digest
+    cid       = varint(1) || varint(0x55) || multihash                   # CIDv1, raw codec: 0x01 0x55 ...
+    text      = "b" + base32(cid)                                        # RFC 4648 alphabet, lowercase, no padding
+
+e.g. ``/swarmrl/test/trainer`` -> ``bafkreigc2gtfxkff24ufrfysbpkazzp2wev7d5fryk4flvi3tv3g2uloey``.
+
+The text form is what goes to py-libp2p's ``dht.provide``/``dht.find_providers``: its ``_encode_key`` parses
+the CID and puts only the multihash (``0x12 0x20`` + digest) on the wire, which is how provider records are
+keyed in the libp2p Kad-DHT. Other implementations (js-libp2p, go-libp2p) decode that key as a CID and refuse
+anything else, so a raw string key (what swarmrl used before) is stored only by Python peers. Peers running the
+older scheme do not find records of this one, and the other way round.
+"""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import logging
 
 import trio
@@ -11,29 +29,65 @@ from node.host import Swarm
 
 log = logging.getLogger(__name__)
 
+CID_VERSION = 1
+RAW_CODEC = 0x55
+SHA2_256 = 0x12
+
 
 def role_key(swarm_name: str, role: str) -> str:
+    """The readable key of a role in a swarm (for logs); ``dht_key`` turns it into what the DHT stores."""
     return f"/swarmrl/{swarm_name}/{role}"
 
 
+def _varint(n: int) -> bytes:
+    """Unsigned LEB128, as multiformats uses it."""
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def cid_bytes(data: bytes) -> bytes:
+    """Binary CIDv1 (raw codec, sha2-256 multihash) of ``data``."""
+    digest = hashlib.sha256(data).digest()
+    multihash = _varint(SHA2_256) + _varint(len(digest)) + digest
+    return _varint(CID_VERSION) + _varint(RAW_CODEC) + multihash
+
+
+def dht_key(key: str) -> str:
+    """The DHT key for a readable key such as ``role_key(...)``: its CIDv1 as a base32 multibase string."""
+    return "b" + base64.b32encode(cid_bytes(key.encode("utf-8"))).decode("ascii").lower().rstrip("=")
+
+
+def role_cid(swarm_name: str, role: str) -> str:
+    """The DHT key (CID string) under which ``role`` in ``swarm_name`` is provided."""
+    return dht_key(role_key(swarm_name, role))
+
+
 async def provide_forever(swarm: Swarm, key: str, interval: float) -> None:
-    """Re-provide ``key`` on an interval, faster until the first announcement reached some peer."""
+    """Re-provide the readable role key ``key`` (stored under ``dht_key(key)``) on an interval, faster until the
+    first announcement reached some peer."""
+    cid = dht_key(key)
     while True:
         try:
-            ok = await swarm.dht.provide(key)
+            ok = await swarm.dht.provide(cid)
         except Exception as exc:
-            log.debug("provide %s failed: %s", key, exc)
+            log.debug("provide %s (%s) failed: %s", key, cid, exc)
             ok = False
         await trio.sleep(interval if ok else min(interval, 2.0))
 
 
 async def find_role(swarm: Swarm, key: str, timeout: float = 10.0) -> list[PeerInfo]:
-    """Providers of ``key`` other than ourselves, one entry per peer (the DHT may repeat them)."""
+    """Providers of the readable role key ``key`` (looked up as ``dht_key(key)``) other than ourselves, one entry
+    per peer (the DHT may repeat them)."""
+    cid = dht_key(key)
     with trio.move_on_after(timeout):
         try:
-            found = await swarm.dht.find_providers(key)
+            found = await swarm.dht.find_providers(cid)
         except Exception as exc:
-            log.info("find_providers %s failed: %s", key, exc)
+            log.info("find_providers %s (%s) failed: %s", key, cid, exc)
             return []
         unique: dict[str, PeerInfo] = {}
         for info in found:
