@@ -1,13 +1,25 @@
-"""One-shot request/response over a fresh libp2p stream, and a handler wrapper that never lets a peer crash us.
+"""One-shot request/response over a fresh libp2p stream, and a handler wrapper that never lets a peer crash us or
+hold our memory.
 
-py-libp2p takes the whole host down when a stream handler raises, so ``serve`` catches everything:
-protocol errors get an error reply, anything else is logged and the stream is reset.
+py-libp2p takes the whole host down when a stream handler raises, so ``serve`` catches everything: protocol
+errors get an error reply, anything else is logged and the stream is reset. What a hostile peer can cost is bounded
+before any work is done for it, in this order:
+
+1. ``admit(peer)`` runs when the stream opens, before a byte is read (rate limits, bans): a flood costs a lookup;
+2. at most ``streams_per_peer`` streams of one protocol from one peer are served at once (the rest: "busy");
+3. the frame's announced length must fit the message type's limit, and a process-wide ``FrameBudget`` of bytes
+   being received: a frame is refused ("busy") rather than buffered when the budget is spent;
+4. the body must arrive at ``min_rate`` bytes/s or better (plus a grace period): a slow-loris stream is cut;
+5. a body of more than ``OFFLOAD_BYTES`` is decoded in a worker thread (the event loop keeps serving), with a cap
+   on maps and arrays per message (protocols/framing.py).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -15,27 +27,106 @@ from libp2p.abc import IHost, INetStream
 from libp2p.peer.id import ID
 
 from protocols.errors import PeerClosed, ProtocolError
-from protocols.framing import FrameReader, write_message
+from protocols.framing import MAX_CONTAINERS, FrameReader, unpack, write_message
 from protocols.messages import error_reply, raise_if_error
 
 log = logging.getLogger(__name__)
 
 # refusals that are part of normal operation (backpressure; asking for a version this peer does not hold)
-QUIET_CODES = frozenset({"rate_limited", "not_found"})
+QUIET_CODES = frozenset({"rate_limited", "not_found", "busy"})
+OFFLOAD_BYTES = 64 << 10  # decode bodies larger than this off the event loop
 
 Handler = Callable[[dict[str, Any], ID], Awaitable[dict[str, Any]]]
 
 
-def serve(name: str, handler: Handler, max_request: int, max_reply: int, timeout: float = 30.0):
-    """Wrap ``handler(message, remote_peer) -> reply`` as a py-libp2p stream handler."""
+class Busy(ProtocolError):
+    """Refused for now, without blame: come back after ``retry_after`` seconds."""
+
+    code = "busy"
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+@dataclass
+class FrameBudget:
+    """Bytes of request frames being received at once, across every stream of this process."""
+
+    limit: int = 256 << 20
+    used: int = 0
+
+    @contextmanager
+    def reserve(self, n: int):
+        if self.used + n > self.limit:
+            raise Busy(f"{self.used >> 20} MiB of requests are arriving already; retry shortly")
+        self.used += n
+        try:
+            yield
+        finally:
+            self.used -= n
+
+
+BUDGET = FrameBudget()
+
+
+@dataclass
+class StreamCaps:
+    """Streams of one protocol being served per peer."""
+
+    per_peer: int
+    active: dict[ID, int] = field(default_factory=dict)
+
+    @contextmanager
+    def hold(self, peer: ID):
+        if self.active.get(peer, 0) >= self.per_peer:
+            raise Busy(f"{self.per_peer} requests from this peer are already being served")
+        self.active[peer] = self.active.get(peer, 0) + 1
+        try:
+            yield
+        finally:
+            self.active[peer] -= 1
+            if not self.active[peer]:
+                del self.active[peer]
+
+
+async def decode(body: bytes, max_size: int, max_containers: int) -> dict[str, Any]:
+    if len(body) > OFFLOAD_BYTES:
+        return await trio.to_thread.run_sync(unpack, body, max_size, max_containers)
+    return unpack(body, max_size, max_containers)
+
+
+def serve(
+    name: str,
+    handler: Handler,
+    max_request: int,
+    max_reply: int,
+    timeout: float = 30.0,
+    *,
+    admit: Callable[[ID], None] | None = None,
+    max_containers: int = MAX_CONTAINERS,
+    streams_per_peer: int = 8,
+    min_rate: float = 64 << 10,
+    budget: FrameBudget = BUDGET,
+):
+    """Wrap ``handler(message, remote_peer) -> reply`` as a py-libp2p stream handler (see the module docstring)."""
+    caps = StreamCaps(streams_per_peer)
 
     async def on_stream(stream: INetStream) -> None:
         remote = stream.muxed_conn.peer_id
         try:
             with trio.fail_after(timeout):
                 try:
-                    message = await FrameReader(stream).read_message(max_request)
-                    reply = await handler(message, remote)
+                    with caps.hold(remote):
+                        if admit is not None:
+                            admit(remote)
+                        reader = FrameReader(stream)
+                        length = await reader.read_length(max_request)
+                        with budget.reserve(length), trio.fail_after(10.0 + length / min_rate):
+                            body = await reader.read_exactly(length)
+                        message = await decode(body, max_request, max_containers)
+                        del body
+                        reply = await handler(message, remote)
                 except PeerClosed:
                     return
                 except ProtocolError as exc:
@@ -70,13 +161,15 @@ async def request(
     max_request: int,
     max_reply: int,
     timeout: float = 30.0,
+    max_containers: int = MAX_CONTAINERS,
 ) -> dict[str, Any]:
     """Send one message, return the reply; an error reply raises RemoteError."""
     with trio.fail_after(timeout):
         stream = await host.new_stream(peer_id, [protocol])
         try:
             await write_message(stream, message, max_request)
-            reply = await FrameReader(stream).read_message(max_reply)
+            reader = FrameReader(stream)
+            reply = await decode(await reader.read_body(max_reply), max_reply, max_containers)
         except BaseException:
             await _reset(stream)
             raise

@@ -3,6 +3,10 @@
 py-libp2p's ``read()`` returns at most ~64 KiB and raises StreamEOF at the end, and its ``read_exactly``
 gives up on large reads, so frames are assembled here with our own loop. The length header is checked
 against the cap *before* any body byte is buffered, so an oversized frame costs nothing.
+
+Decoding is bounded too: besides the byte cap, a message may hold at most ``max_containers`` maps and arrays in
+all. Without that, a valid 8 MB body of 8 million empty maps decodes into ~550 MB of Python objects (a "decode
+bomb"); each message type passes the count its largest honest instance needs.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from protocols.errors import FrameTooLarge, MalformedMessage, PeerClosed, Unsupp
 
 HEADER = struct.Struct(">I")
 READ_CHUNK = 1 << 16
+MAX_CONTAINERS = 1024  # maps + arrays in one message, unless its type says otherwise
 
 
 class ByteStream(Protocol):
@@ -29,8 +34,22 @@ def pack(message: dict[str, Any]) -> bytes:
     return msgpack.packb(message, use_bin_type=True)
 
 
-def unpack(body: bytes, max_size: int) -> dict[str, Any]:
-    """Decode msgpack bytes into a message dict, refusing anything that is not a versioned map."""
+class _TooManyContainers(Exception):
+    pass
+
+
+def unpack(body: bytes, max_size: int, max_containers: int = MAX_CONTAINERS) -> dict[str, Any]:
+    """Decode msgpack bytes into a message dict, refusing anything that is not a versioned map, and any body with
+    more than ``max_containers`` maps and arrays (counted as they are built, so a bomb stops early)."""
+    built = 0
+
+    def count(obj: Any) -> Any:
+        nonlocal built
+        built += 1
+        if built > max_containers:
+            raise _TooManyContainers
+        return obj
+
     try:
         obj = msgpack.unpackb(
             body,
@@ -41,7 +60,11 @@ def unpack(body: bytes, max_size: int) -> dict[str, Any]:
             max_array_len=max_size,
             max_map_len=max_size,
             max_ext_len=0,
+            object_hook=count,
+            list_hook=count,
         )
+    except _TooManyContainers:
+        raise MalformedMessage(f"message holds more than {max_containers} maps and arrays") from None
     except Exception as exc:  # msgpack raises many unrelated types for bad input
         raise MalformedMessage(f"undecodable msgpack: {type(exc).__name__}: {exc}") from None
     if not isinstance(obj, dict):
@@ -90,14 +113,21 @@ class FrameReader:
         del self._buf[:n]
         return out
 
-    async def read_body(self, max_size: int) -> bytes:
-        """Return the next frame's raw body, refusing one whose header announces more than ``max_size``."""
+    async def read_length(self, max_size: int) -> int:
+        """The next frame's announced length, refusing one over ``max_size`` before any body byte is read."""
         await self._fill(HEADER.size)
         (length,) = HEADER.unpack(self._take(HEADER.size))
         if length > max_size:
             raise FrameTooLarge(f"peer announced a {length} B frame; the limit is {max_size} B")
+        return length
+
+    async def read_exactly(self, length: int) -> bytes:
         await self._fill(length)
         return self._take(length)
 
-    async def read_message(self, max_size: int) -> dict[str, Any]:
-        return unpack(await self.read_body(max_size), max_size)
+    async def read_body(self, max_size: int) -> bytes:
+        """Return the next frame's raw body, refusing one whose header announces more than ``max_size``."""
+        return await self.read_exactly(await self.read_length(max_size))
+
+    async def read_message(self, max_size: int, max_containers: int = MAX_CONTAINERS) -> dict[str, Any]:
+        return unpack(await self.read_body(max_size), max_size, max_containers)

@@ -18,6 +18,21 @@ PROTOCOL_ID = "/swarmrl/rollout/1.0.0"
 MAX_FRAME = 8 << 20
 MAX_ACK_FRAME = 1 << 20
 QUANT_MODES = ("none", "q8", "q4", "torch")
+
+
+def frame_limit(group_size: int, max_tokens: int) -> int:
+    """The largest rollout frame an honest sampler sends for a lease of this shape (prompt of MAX_PROMPT_TOKENS):
+    a trainer refuses anything larger before reading it. Per sample: rollout id <= 130 B, token ids <= 5 B and
+    logprobs 9 B per token, finish reason, reward and keys; per group: ids, names and the prompt's tokens."""
+    per_sample = 256 + 14 * max_tokens
+    return min(MAX_FRAME, 2048 + 5 * MAX_PROMPT_TOKENS + group_size * per_sample)
+
+
+def max_containers(group_size: int) -> int:
+    """Maps and arrays in an honest group: the group, its prompt and samples lists, and three per sample."""
+    return 16 + 4 * group_size
+
+
 FINISH_REASONS = ("stop", "length")
 
 

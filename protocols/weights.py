@@ -28,6 +28,7 @@ MAX_FILES = 64
 MAX_TENSORS = 1 << 16
 ENCODINGS = ("native", "int8", "fp32")  # "fp32": what "native" was called before bf16 versions
 GOSSIP_MAX = 1 << 16
+MANIFEST_CONTAINERS = 2 * (MAX_FILES + MAX_TENSORS) + 16  # a map and a list per file and per tensor
 SIGN_DOMAIN = b"swarmrl-manifest-v1:"
 
 
@@ -89,7 +90,7 @@ class Manifest:
     def from_body(cls, body: bytes) -> Manifest:
         from protocols.framing import unpack
 
-        m = unpack(body, MAX_MANIFEST_BODY)
+        m = unpack(body, MAX_MANIFEST_BODY, MANIFEST_CONTAINERS)
         s.expect_type(m, "manifest_body")
         chunk_size = s.integer(m, "chunk_size", 1024, MAX_CHUNK_SIZE)
         files = []

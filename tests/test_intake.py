@@ -71,6 +71,7 @@ def group_for(intake: RolloutIntake, peer: str, spec, lease, answers: list[str],
 async def test_groups_are_verified_acked_once_and_wake_the_training_loop(tmp_path):
     intake = make_intake(tmp_path)
     task = ReverseDigitsTask()
+    intake.admit_work("alice")
     lease = intake.lease(WorkRequest(4), "alice", version=0)
     right = [task.answer(spec.seed) for spec in lease.tasks]
     batches: list = []

@@ -73,10 +73,20 @@ class RolloutIntake:
         self._arrived = trio.Event()
 
     # -- work --------------------------------------------------------------------------------------------
-    def lease(self, req: WorkRequest, peer: str, version: int) -> WorkLease:
+    def admit_work(self, peer: str) -> None:
+        """When a work stream opens, before anything is read: banned peers and floods stop here."""
         if self.strikes.is_banned(peer):
             raise Banned("this peer is banned for forged rollouts")
         self.work_limit.take(peer)
+
+    def admit_rollouts(self, peer: str) -> None:
+        """When a rollout stream opens, before anything is read or decoded: a flood costs only this."""
+        if self.strikes.is_banned(peer):
+            raise Banned("this peer is banned for forged rollouts")
+        self.rollout_limit.take(peer)
+
+    def lease(self, req: WorkRequest, peer: str, version: int) -> WorkLease:
+        """Prompts for ``peer`` (admitted by ``admit_work`` when its stream opened)."""
         return self.leases.issue(peer, min(req.max_groups, self.settings.groups_per_lease), version)
 
     # -- rollouts ----------------------------------------------------------------------------------------
@@ -85,8 +95,8 @@ class RolloutIntake:
 
         Submissions for one (peer, lease, seed) are checked one at a time: a resend, or a copy with fresh rollout
         ids, waits for the first one's verdict and then meets a closed seed or known ids, so one seed can never be
-        accepted twice however many copies race in."""
-        self.rollout_limit.take(peer)  # before any checking: a flood costs only this
+        accepted twice however many copies race in. The peer was admitted (ban, rate limit) by ``admit_rollouts``
+        when its stream opened."""
         g = RolloutGroup.from_wire(message)
         ids = [s.rollout_id for s in g.samples]
         if self.strikes.is_banned(peer):

@@ -174,7 +174,7 @@ class SamplerRole:
                 lease = WorkLease.from_wire(reply)
             except RemoteError as exc:
                 self.last_error = str(exc)
-                if exc.code == "rate_limited":
+                if exc.code in ("rate_limited", "busy"):
                     self.rate_limited += 1
                     await trio.sleep(min(exc.retry_after or 1.0, 30.0))
                     continue
@@ -257,7 +257,7 @@ class SamplerRole:
                 ack = RolloutAck.from_wire(reply)
             except RemoteError as exc:
                 self.last_error = str(exc)
-                if exc.code == "rate_limited" and waited < self.settings.rate_limit_patience:
+                if exc.code in ("rate_limited", "busy") and waited < self.settings.rate_limit_patience:
                     self.rate_limited += 1
                     pause = min(exc.retry_after or 1.0, 30.0)
                     waited += pause

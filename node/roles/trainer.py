@@ -109,11 +109,21 @@ class TrainerRole:
         w = self.weights
         self.publisher = Publisher(self.store, key_pair, self.config.swarm, w.chunk_size, w.encoding)
         self.weight_server.register(swarm.host)
-        swarm.host.set_stream_handler(work.PROTOCOL_ID, serve("work", self.on_work, work.MAX_FRAME, work.MAX_FRAME))
+        s, intake = self.settings, self.intake
+        swarm.host.set_stream_handler(
+            work.PROTOCOL_ID,
+            serve("work", self.on_work, work.MAX_FRAME, work.MAX_FRAME, admit=lambda p: intake.admit_work(str(p))),
+        )
         swarm.host.set_stream_handler(
             rollouts.PROTOCOL_ID,
             serve(
-                "rollouts", self.on_rollouts, rollouts.MAX_FRAME, rollouts.MAX_ACK_FRAME, self.config.rollout_timeout
+                "rollouts",
+                self.on_rollouts,
+                rollouts.frame_limit(s.group_size, s.max_tokens),
+                rollouts.MAX_ACK_FRAME,
+                self.config.rollout_timeout,
+                admit=lambda p: intake.admit_rollouts(str(p)),
+                max_containers=rollouts.max_containers(s.group_size),
             ),
         )
 
