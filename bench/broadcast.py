@@ -32,7 +32,7 @@ from node.weights.publish import Publisher
 from node.weights.server import WeightServer
 from node.weights.store import ChunkStore
 from protocols import weights as w
-from trainer.base_model import build_base_model
+from trainer.tiny_qwen2 import build_random_model
 
 console = Console()
 LOOPBACK = multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")
@@ -98,7 +98,7 @@ async def main(mb: int, ns: list[int], mbps: float) -> None:
         root = Path(tmp)
         hidden = 256 if mb <= 8 else 512
         layers = max(1, round(mb * 1e6 / (4 * 12 * hidden * hidden)))
-        model_dir = build_base_model(root / "model", layers=layers, hidden=hidden)
+        model_dir = build_random_model(root / "model", layers=layers, hidden=hidden)
         store = ChunkStore(root / "trainer")
         key = create_new_key_pair()
         staging = shutil.copytree(model_dir, root / "staging")  # the base model dir is what version 0 ships

@@ -20,9 +20,9 @@ from rich.console import Console
 from rich.table import Table
 
 from node.engines import auto_engine, make_engine
-from trainer.base_model import ROPE_THETA, build_base_model
 from trainer.model import load_tokenizer
 from trainer.tasks.reverse import ReverseDigitsTask
+from trainer.tiny_qwen2 import ROPE_THETA, build_random_model
 
 console = Console()
 
@@ -84,7 +84,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     args = p.parse_args()
     with TemporaryDirectory() as tmp:
-        model_dir = build_base_model(Path(tmp) / "m", layers=args.layers, hidden=args.hidden)
+        model_dir = build_random_model(Path(tmp) / "m", layers=args.layers, hidden=args.hidden)
         tok = load_tokenizer(model_dir)
         ps = prompts(args.groups, args.group_size, tok)
         table = Table(title=f"MLX ({mx.default_device()}) generation, {len(ps)} sequences x {args.max_tokens} tokens")

@@ -32,7 +32,7 @@ from node.config import write_config_file
 from node.identity import load_or_create_key, peer_id_of
 from node.metrics import read_jsonl
 from node.status import read_status
-from trainer.base_model import build_base_model
+from trainer.tiny_qwen2 import build_random_model
 
 console = Console()
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -64,7 +64,7 @@ def params_of(model_dir: Path) -> int:
 def run_size(root: Path, mparams: int, steps: int, dtype: str) -> dict:
     layers, hidden = SHAPES[mparams]
     with console.status(f"{mparams}M: building the model"):
-        model = build_base_model(root / "model", layers=layers, hidden=hidden)
+        model = build_random_model(root / "model", layers=layers, hidden=hidden)
     n_params = params_of(model)
     port = free_port()
     boot_id = peer_id_of(load_or_create_key(root / "boot" / "identity.key"))

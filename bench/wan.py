@@ -35,7 +35,7 @@ from bench.netlab.swarm import ACCESS, PORT, REGIONS, status_of, wan_links
 from bench.netlab.topology import Lab, lab_unavailable, wait_for
 from node.config import write_config_file
 from node.identity import load_or_create_key, peer_id_of
-from trainer.base_model import build_base_model
+from trainer.tiny_qwen2 import build_random_model
 
 console = Console()
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -58,7 +58,7 @@ def main() -> int:
         return 2
     with TemporaryDirectory(prefix="swarmrl-wan-") as tmp:
         root = Path(tmp)
-        model = build_base_model(root / "model", layers=args.layers, hidden=256)
+        model = build_random_model(root / "model", layers=args.layers, hidden=256)
         lab = Lab(root / "lab", wan_links())
         lab.add_host("origin", "na", args.origin_mbps, args.origin_mbps)
         names = [f"s{i}" for i in range(args.samplers)]

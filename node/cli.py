@@ -145,9 +145,14 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_build_model(args: argparse.Namespace) -> int:
-    from trainer.base_model import build_base_model
+    if args.random_init:
+        from trainer.tiny_qwen2 import build_random_model
 
-    print(build_base_model(args.out, seed=args.seed))
+        print(build_random_model(args.out, seed=args.seed))
+    else:
+        from trainer.base_model import build_base_model
+
+        print(build_base_model(args.out, seed=args.seed))
     return 0
 
 
@@ -168,9 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", type=Path)
     p = sub.add_parser("status", help="show a running node's status")
     p.add_argument("--data-dir", type=Path, default=Path(".swarmrl"))
-    p = sub.add_parser("build-model", help="write the embedded base model to a directory")
+    p = sub.add_parser(
+        "build-model", help="pretrain the embedded base model (deterministic, ~30-60 s) into a directory"
+    )
     p.add_argument("out", type=Path)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--random-init", action="store_true", help="the untrained tiny model instead (tests, debugging)")
     from node.demo import add_demo_args, cmd_demo
 
     add_demo_args(sub.add_parser("demo", help="run a local swarm on loopback (trainer + samplers)"))

@@ -25,7 +25,8 @@ console = Console()
 
 def add_demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samplers", type=int, default=3)
-    p.add_argument("--steps", type=int, default=80, help="GRPO steps to train")
+    p.add_argument("--steps", type=int, default=40, help="GRPO steps to train")
+    p.add_argument("--model", type=Path, help="a local model dir (default: the embedded base model, pretrained once)")
     p.add_argument("--out", type=Path, default=Path("runs/demo"))
     p.add_argument("--port", type=int, default=4101, help="bootstrap node's TCP port on 127.0.0.1")
     p.add_argument("--engine", default="auto", choices=["auto", "mlx", "torch"])
@@ -62,6 +63,20 @@ def node_cmd(role: str, data_dir: Path, config: Path, *extra: str) -> list[str]:
     ]
 
 
+def base_model(cache: Path) -> Path:
+    """The embedded base model, pretrained once (deterministic) and kept next to the demo's runs."""
+    if not (cache / "config.json").exists():
+        from trainer.base_model import build_base_model
+
+        with console.status("pretraining the embedded base model (once; ~30-60 s)"):
+            staging = cache.with_name(cache.name + ".tmp")
+            shutil.rmtree(staging, ignore_errors=True)
+            build_base_model(staging)
+            shutil.rmtree(cache, ignore_errors=True)
+            os.replace(staging, cache)
+    return cache
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     out: Path = args.out
     if out.exists():
@@ -73,8 +88,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     write_config_file(config, "demo", [f"/ip4/127.0.0.1/tcp/{args.port}/p2p/{boot_id}"], str(trainer_id))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     loopback = "/ip4/127.0.0.1/tcp/0"
+    model = args.model or base_model(out.parent / ".base-model")
     specs = [("bootstrap", "bootstrap", ["--listen", f"/ip4/127.0.0.1/tcp/{args.port}"])]
-    specs.append(("trainer", "trainer", ["--listen", loopback, "--task", args.task, "--max-steps", str(args.steps)]))
+    trainer_args = ["--listen", loopback, "--task", args.task, "--max-steps", str(args.steps), "--model", str(model)]
+    specs.append(("trainer", "trainer", trainer_args))
     specs += [
         ("sampler", f"sampler{i}", ["--listen", loopback, "--engine", args.engine, "--bits", args.bits])
         for i in range(args.samplers)

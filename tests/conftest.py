@@ -12,6 +12,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    from trainer.base_model import build_base_model
+    from trainer.tiny_qwen2 import build_random_model
 
-    return build_base_model(tmp_path_factory.mktemp("model") / "tiny")
+    return build_random_model(tmp_path_factory.mktemp("model") / "tiny")

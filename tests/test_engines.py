@@ -12,8 +12,8 @@ import torch
 
 from node.engines import make_engine
 from node.errors import UserError
-from trainer.base_model import EOS_ID, build_base_model
 from trainer.model import load_model, token_logprobs
+from trainer.tiny_qwen2 import EOS_ID, build_random_model
 
 PROMPT = [1, 4, 5, 6, 7, 8, 23]  # <bos>12345>
 FP32_TOL = 1e-4  # measured ~5e-7
@@ -58,7 +58,7 @@ def test_stop_token_is_kept_with_its_logprob(tiny_model_dir):
 
 @pytest.mark.parametrize(("engine", "bits", "tol"), [("mlx", 8, INT8_TOL), ("torch", None, FP32_TOL)])
 def test_hot_swap_serves_the_new_version(tmp_path, tiny_model_dir, engine, bits, tol):
-    other = build_base_model(tmp_path / "v1", seed=1)
+    other = build_random_model(tmp_path / "v1", seed=1)
     e = make_engine(engine, tiny_model_dir, bits=bits)
     before = e.generate([PROMPT] * 8, temperature=1.0, top_p=1.0, max_tokens=8, seed=5)
     e.swap(other, version=1)
@@ -88,7 +88,7 @@ def test_bad_model_dirs_fail_clearly(tmp_path, tiny_model_dir):
     (broken / "model.safetensors").unlink()
     with pytest.raises(UserError, match="safetensors"):
         make_engine("torch", broken)
-    bigger = build_base_model(tmp_path / "bigger", hidden=64)
+    bigger = build_random_model(tmp_path / "bigger", hidden=64)
     e = make_engine("mlx", tiny_model_dir, bits=8)
     with pytest.raises(UserError, match="do not fit"):
         e.swap(bigger, version=1)

@@ -33,6 +33,7 @@ async def test_short_swarm_run_beats_the_untrained_model(tmp_path, tiny_model_di
             max_tokens=6,
             batch_groups=8,
             max_steps=24,
+            lr=3e-3,  # the random-init tiny model (the embedded base model is pretrained and wants 3e-4)
             eval_every=8,
             eval_size=64,
             linger=0.0,
@@ -64,7 +65,7 @@ def test_killed_trainer_resumes_and_samplers_reconnect(tmp_path, tiny_model_dir)
         "--batch-groups",
         "4",
         "--checkpoint-every",
-        "2",
+        "4",
         "--eval-every",
         "1000",
     )
@@ -74,13 +75,16 @@ def test_killed_trainer_resumes_and_samplers_reconnect(tmp_path, tiny_model_dir)
         procs.append(spawn("sampler", "s0", "--listen", "/ip4/127.0.0.1/tcp/0"))
         trainer = spawn("trainer", "trainer", *trainer_args)
         ckpt = tmp_path / "trainer" / "trainer.ckpt"
-        wait_for(
-            lambda: ckpt.exists() and load_checkpoint(ckpt)["step"] >= 4,
-            180,
-            "a checkpoint at step 4",
-            [trainer],
-            tmp_path / "trainer.log",
-        )
+
+        def acked_after_checkpoint() -> bool:
+            """A checkpoint exists, and the sampler holds acks for groups accepted after it (the journal's job)."""
+            if not ckpt.exists():
+                return False
+            saved = load_checkpoint(ckpt)
+            acked = read_status(tmp_path / "s0").get("rollouts_accepted", 0)
+            return saved["step"] >= 4 and acked > saved["ledger"]["rollouts_accepted"]
+
+        wait_for(acked_after_checkpoint, 180, "acks after a checkpoint at step 4", [trainer], tmp_path / "trainer.log")
         trainer.send_signal(signal.SIGKILL)
         trainer.wait()
         time.sleep(1)

@@ -25,7 +25,7 @@ class LearnerSettings:
     model_dir: Path | None = knob(
         None, "local HF model directory (default: the embedded base model)", flag="model", type=Path
     )
-    lr: float = knob(3e-3, "AdamW learning rate")
+    lr: float = knob(3e-4, "AdamW learning rate (the embedded base model's; real models want ~1e-6)")
     clip_low: float = knob(0.2, "PPO clip below the ratio 1 (eps_low)")
     clip_high: float = knob(0.28, "PPO clip above the ratio 1 (eps_high, DAPO's clip-higher)")
     tis_cap: float = knob(2.0, "cap on the truncated importance weight pi_old / mu")

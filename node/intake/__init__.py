@@ -64,6 +64,7 @@ class RolloutIntake:
         self.journal = RolloutJournal(journal_dir)
         self.buffer = RolloutBuffer(s.max_buffered)
         self.ledger = Ledger()
+        self._flat_run = 0  # groups without reward variance since the last usable one
         self.pending = 0  # groups taken for the batch being assembled, not yet trained: still "buffered"
         self.rejected = 0
         self.forged = 0
@@ -163,6 +164,9 @@ class RolloutIntake:
             self.pending = len(batch)
             self.ledger.groups_stale += taken.stale
             self.ledger.groups_no_signal += taken.no_signal
+            self._flat_run = 0 if taken.batch else self._flat_run + taken.no_signal
+            if self._flat_run >= 256 and self._flat_run - taken.no_signal < 256:
+                log.info("256 groups in a row had equal rewards: the task is solved (or hopeless) for this policy")
             if len(batch) == n_groups:
                 return batch
             await self._arrived.wait()

@@ -8,6 +8,8 @@ Everything else is a handler (work leases, rollouts, weights) or a background lo
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import time
 from collections import deque
 from collections.abc import Callable
@@ -43,12 +45,18 @@ T = TypeVar("T")
 
 
 def resolve_model_dir(model_dir: Path | None, data_dir: Path) -> Path:
-    """The given model directory, or the embedded base model built (once, deterministically) under data_dir."""
+    """The given model directory, or the embedded base model pretrained (once, deterministically, ~30-60 s) under
+    data_dir. A half-written one (a crash mid-build) is built again: the directory appears only when complete."""
     if model_dir is not None:
         return Path(model_dir)
     path = data_dir / "base-model"
     if not (path / "config.json").exists():
-        build_base_model(path)
+        log.info("pretraining the embedded base model into %s (once, ~30-60 s)", path)
+        staging = data_dir / "base-model.tmp"
+        shutil.rmtree(staging, ignore_errors=True)
+        build_base_model(staging)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(staging, path)
     return path
 
 
