@@ -69,7 +69,10 @@ class WeightSettings:
     finish_fraction: float = knob(0.5, "a download this far along is finished before switching to a newer one")
     stall_timeout: float = knob(10.0, "seconds without progress before a download being finished is abandoned")
     have_interval: float = knob(0.5, "seconds between polls of peers' have-bitfields during a download")
-    request_timeout: float = knob(20.0, "seconds for one chunk request")
+    request_timeout: float = knob(20.0, "most seconds for one chunk request (less for small ones: see min_rate)")
+    min_rate: float = knob(256 << 10, "bytes/s below which a peer's chunk reply counts as slow (timeout scales)")
+    manifest_timeout: float = knob(5.0, "seconds to fetch an announced manifest before giving up on that peer")
+    upload_per_peer: float = knob(16 << 20, "bytes/s this node serves to any one peer (token bucket, 2 s burst)")
     workers_per_peer: int = knob(1, "concurrent chunk requests per peer")
     reserve_after: float = knob(3.0, "seconds before the trainer serves a chunk again that it already sent out")
 

@@ -12,7 +12,7 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from node.host import open_swarm
 from node.identity import load_or_create_key
-from node.rpc import serve
+from node.rpc import request, serve
 from node.weights.gossip import announce_topic, open_gossip
 from node.weights.manifest import sign_manifest
 from node.weights.store import ChunkStore
@@ -20,6 +20,7 @@ from protocols import weights as w
 from tests.helpers import LOOPBACK, start_bootstrap, start_sampler, start_trainer, wait_until
 
 CHUNK = 16 << 10
+NO_TRAINING = 1 << 30  # a batch never fills: versions change only when a test says so
 
 
 def weights_bytes(store: ChunkStore, version: int) -> bytes:
@@ -29,7 +30,9 @@ def weights_bytes(store: ChunkStore, version: int) -> bytes:
 async def test_versions_reach_every_sampler_bit_exact_and_swarm(tmp_path, tiny_model_dir):
     async with trio.open_nursery() as nursery:
         boot = await start_bootstrap(nursery, tmp_path)
-        trainer = await start_trainer(nursery, tmp_path, boot, tiny_model_dir, weights={"chunk_size": CHUNK})
+        trainer = await start_trainer(
+            nursery, tmp_path, boot, tiny_model_dir, weights={"chunk_size": CHUNK}, batch_groups=NO_TRAINING
+        )
         samplers = [await start_sampler(nursery, tmp_path, f"s{i}", boot) for i in range(3)]
         await wait_until(lambda: all(s.role.engine_ready.is_set() for s in samplers), timeout=60)
         _, _, m0 = trainer.role.store.latest()
@@ -64,7 +67,9 @@ async def test_versions_reach_every_sampler_bit_exact_and_swarm(tmp_path, tiny_m
 async def test_corrupt_chunks_and_forged_manifests_are_refused(tmp_path, tiny_model_dir):
     async with trio.open_nursery() as nursery, AsyncExitStack() as stack:
         boot = await start_bootstrap(nursery, tmp_path)
-        trainer = await start_trainer(nursery, tmp_path, boot, tiny_model_dir, weights={"chunk_size": CHUNK})
+        trainer = await start_trainer(
+            nursery, tmp_path, boot, tiny_model_dir, weights={"chunk_size": CHUNK}, batch_groups=NO_TRAINING
+        )
         await wait_until(lambda: trainer.role.published is not None, timeout=30)
         _, _, m0 = trainer.role.store.latest()
         key = load_or_create_key(tmp_path / "evil.key")
@@ -90,13 +95,13 @@ async def test_corrupt_chunks_and_forged_manifests_are_refused(tmp_path, tiny_mo
         await evil.connect(info_from_p2p_addr(boot.swarm.addrs()[0]))
         sampler = await start_sampler(nursery, tmp_path, "s0", boot)
         await evil.connect(info_from_p2p_addr(sampler.swarm.addrs()[0]))
-        for _ in range(5):
-            await gossip.publish(announce_topic("test"), w.announce(99, b"\x01" * 32))
-            await trio.sleep(0.3)
-
         await wait_until(lambda: sampler.role.engine_ready.is_set(), timeout=60)
         assert served_bad, "the corrupt peer was never asked: the test proves nothing"
-        assert sampler.role.weights.strikes.is_banned(evil.peer_id)
+        # then it announces a version it signed itself (each under a different manifest id)
+        for k in range(5):
+            await gossip.publish(announce_topic("test"), w.announce(99, bytes([k + 1]) * 32))
+            await trio.sleep(0.3)
+        await wait_until(lambda: sampler.role.weights.strikes.is_banned(evil.peer_id), 30, what="the evil peer's ban")
         assert sampler.role.weights.forged_manifests >= 1
         assert sampler.role.engine.version == 0
         reference = await trio.to_thread.run_sync(trainer.role.store.assemble, m0)
@@ -110,7 +115,9 @@ async def test_download_killed_midway_resumes_from_what_is_on_disk(tmp_path, tin
 
     async with trio.open_nursery() as nursery, AsyncExitStack() as stack:
         boot = await start_bootstrap(nursery, tmp_path)
-        trainer = await start_trainer(nursery, tmp_path, boot, tiny_model_dir, weights={"chunk_size": 4 << 10})
+        trainer = await start_trainer(
+            nursery, tmp_path, boot, tiny_model_dir, weights={"chunk_size": 4 << 10}, batch_groups=NO_TRAINING
+        )
         await wait_until(lambda: trainer.role.published is not None, timeout=30)
         mid, signed, manifest = trainer.role.store.latest()
         me = await stack.enter_async_context(open_swarm(load_or_create_key(tmp_path / "me.key"), LOOPBACK))
@@ -155,7 +162,9 @@ async def test_a_download_that_stalls_is_abandoned_for_the_newest_version(tmp_pa
     for them forever, but move on to the newer version once the download stops moving."""
     async with trio.open_nursery() as nursery:
         boot = await start_bootstrap(nursery, tmp_path)
-        trainer = await start_trainer(nursery, tmp_path, boot, tiny_model_dir, weights={"chunk_size": 4 << 10})
+        trainer = await start_trainer(
+            nursery, tmp_path, boot, tiny_model_dir, weights={"chunk_size": 4 << 10}, batch_groups=NO_TRAINING
+        )
         await wait_until(lambda: trainer.role.published is not None, timeout=30)
         _, _, m0 = trainer.role.store.latest()
         weights = next(f for f in m0.files if f.path == "model.safetensors").chunks
@@ -177,4 +186,171 @@ async def test_a_download_that_stalls_is_abandoned_for_the_newest_version(tmp_pa
         trainer.role.learner.new_version()
         await trainer.role.publish()
         await wait_until(lambda: sampler.role.engine is not None and sampler.role.engine.version == 1, timeout=30)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_peer_withholding_chunks_it_claims_cannot_stall_distribution(tmp_path, tiny_model_dir):
+    """Issue 17, 2: a peer claims every chunk, holds each request 19 s, then says "missing". Before: downloads
+    stalled (installs up to 74 s), the peer never earned a strike. Now: the origin serves what only it is asked for
+    after a second without progress, the slow peer is dropped and struck."""
+    async with trio.open_nursery() as nursery, AsyncExitStack() as stack:
+        boot = await start_bootstrap(nursery, tmp_path)
+        trainer = await start_trainer(
+            nursery, tmp_path, boot, tiny_model_dir, weights={"chunk_size": CHUNK}, batch_groups=NO_TRAINING
+        )
+        await wait_until(lambda: trainer.role.published is not None, timeout=30)
+        liar = await stack.enter_async_context(open_swarm(load_or_create_key(tmp_path / "liar.key"), LOOPBACK))
+        asked: list[int] = []
+
+        async def withhold(message, remote):
+            kind, arg = w.parse_request(message)
+            if kind == "get_have":
+                entry = trainer.role.store.manifest(arg)
+                return w.have_reply(arg, b"\xff" * ((len(entry[1].all_chunks()) + 7) // 8))
+            if kind == "get_chunks":
+                asked.append(len(arg))
+                await trio.sleep(19)
+                return w.chunks_reply([], arg)
+            raise NotFound("nothing here")
+
+        from node.weights.server import NotFound
+
+        liar.host.set_stream_handler(w.PROTOCOL_ID, serve("liar", withhold, 1 << 16, w.MAX_REPLY_FRAME, 60))
+        await liar.connect(info_from_p2p_addr(boot.swarm.addrs()[0]))
+        sampler = await start_sampler(nursery, tmp_path, "s0", boot, engine="torch")
+        await liar.connect(info_from_p2p_addr(sampler.swarm.addrs()[0]))
+        await wait_until(lambda: sampler.role.engine_ready.is_set(), timeout=60, what="version 0")
+        for version in (1, 2):
+            with torch.no_grad():
+                for p in trainer.role.learner.model.parameters():
+                    p.mul_(1.01)
+            trainer.role.learner.new_version()
+            t0 = trio.current_time()
+            await trainer.role.publish()
+            await wait_until(lambda v=version: sampler.role.versions.engine == v, 30, what=f"version {version}")
+            assert trio.current_time() - t0 < 12, "a withheld download took as long as the liar wanted"
+        assert asked, "the withholding peer was never asked: the test proves nothing"
+        assert sampler.role.weights.strikes.counts.get(str(liar.peer_id), 0) >= 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_one_peer_cannot_pull_more_than_its_upload_share(tmp_path, tiny_model_dir):
+    """Issue 17, 7: 16 streams pulling chunks from one node as fast as they can. Each peer gets at most its
+    upload share (bytes/s, 2 s burst) and is told when to come back; another peer is still served at once."""
+    from node.weights.publish import Publisher
+    from node.weights.server import WeightServer
+    from protocols.errors import RemoteError
+    from tests.helpers import publish_model
+    from trainer.model import load_model
+
+    key = load_or_create_key(tmp_path / "server.key")
+    store = ChunkStore(tmp_path / "store")
+    _, _, manifest = publish_model(
+        Publisher(store, KeyPair(key.private_key, key.public_key), "t", chunk_size=CHUNK),
+        load_model(tiny_model_dir),
+        0,
+        tiny_model_dir,
+    )
+    rate = 256 << 10
+    server = WeightServer(store, upload_per_peer=rate)
+    async with AsyncExitStack() as stack:
+        node = await stack.enter_async_context(open_swarm(key, LOOPBACK))
+        server.register(node.host)
+        greedy = await stack.enter_async_context(open_swarm(load_or_create_key(tmp_path / "g.key"), LOOPBACK))
+        other = await stack.enter_async_context(open_swarm(load_or_create_key(tmp_path / "o.key"), LOOPBACK))
+        for peer in (greedy, other):
+            await peer.connect(info_from_p2p_addr(node.addrs()[0]))
+        hashes = manifest.all_chunks()
+        got, refused = [0], [0]
+
+        async def pull(k: int) -> None:
+            while trio.current_time() < deadline:
+                batch = hashes[(k * 4) % len(hashes) :][:4]
+                try:
+                    reply = await request(
+                        greedy.host,
+                        node.peer_id,
+                        w.PROTOCOL_ID,
+                        w.get_chunks(batch),
+                        max_request=w.MAX_REQUEST_FRAME,
+                        max_reply=w.MAX_REPLY_FRAME,
+                    )
+                    found, _ = w.parse_chunks_reply(reply, batch, CHUNK)
+                    got[0] += sum(len(d) for d in found.values())
+                except RemoteError as exc:
+                    assert exc.code in ("rate_limited", "busy") and exc.retry_after is not None
+                    refused[0] += 1
+                    await trio.sleep(0.05)
+
+        start = trio.current_time()
+        deadline = start + 3.0
+        async with trio.open_nursery() as nursery:
+            for k in range(16):
+                nursery.start_soon(pull, k)
+        elapsed = trio.current_time() - start
+        assert refused[0] > 0 and got[0] <= 2 * rate + rate * elapsed + 4 * CHUNK
+        reply = await request(
+            other.host,
+            node.peer_id,
+            w.PROTOCOL_ID,
+            w.get_chunks(hashes[:1]),
+            max_request=w.MAX_REQUEST_FRAME,
+            max_reply=w.MAX_REPLY_FRAME,
+        )
+        assert w.parse_chunks_reply(reply, hashes[:1], CHUNK)[0]
+
+
+async def test_announcement_floods_and_replays_do_not_delay_versions(tmp_path, tiny_model_dir):
+    """Issue 17, 9: a peer announces made-up versions near 2^40 every 0.3 s and holds every manifest request, and
+    replays the trainer's old signed manifest. A new sampler still starts from the newest version, and later
+    versions still install within seconds (announcements are handled concurrently, with short timeouts)."""
+    async with trio.open_nursery() as nursery, AsyncExitStack() as stack:
+        boot = await start_bootstrap(nursery, tmp_path)
+        trainer = await start_trainer(
+            nursery, tmp_path, boot, tiny_model_dir, weights={"chunk_size": CHUNK}, batch_groups=NO_TRAINING
+        )
+        await wait_until(lambda: trainer.role.published is not None, timeout=30)
+        old_mid, old_signed, _ = trainer.role.store.latest()
+
+        async def bump() -> None:
+            with torch.no_grad():
+                for p in trainer.role.learner.model.parameters():
+                    p.mul_(1.01)
+            trainer.role.learner.new_version()
+            await trainer.role.publish()
+
+        await bump()  # version 1: the replayed version 0 is stale
+        spammer = await stack.enter_async_context(open_swarm(load_or_create_key(tmp_path / "spam.key"), LOOPBACK))
+        gossip = await stack.enter_async_context(open_gossip(spammer.host))
+
+        async def hang(message, remote):
+            kind, arg = w.parse_request(message)
+            if kind == "get_manifest" and arg == old_mid:
+                return old_signed.to_wire()
+            await trio.sleep(29)
+            raise TimeoutError
+
+        spammer.host.set_stream_handler(w.PROTOCOL_ID, serve("spam", hang, 1 << 16, w.MAX_REPLY_FRAME, 60))
+        await spammer.connect(info_from_p2p_addr(boot.swarm.addrs()[0]))
+
+        async def spam() -> None:
+            k = 0
+            while True:
+                k += 1
+                await gossip.publish(announce_topic("test"), w.announce((1 << 40) - k, k.to_bytes(32, "big")))
+                await gossip.publish(announce_topic("test"), w.announce(0, old_mid))
+                await trio.sleep(0.3)
+
+        nursery.start_soon(spam)
+        installed: list[int] = []
+        sampler = await start_sampler(nursery, tmp_path, "s0", boot, engine="torch")
+        await spammer.connect(info_from_p2p_addr(sampler.swarm.addrs()[0]))
+        await wait_until(lambda: sampler.role.engine_ready.is_set(), timeout=60, what="the first version")
+        installed.append(sampler.role.versions.engine)
+        assert installed[0] == 1, "a replayed old manifest sent the new sampler to an old version first"
+        for version in (2, 3):
+            t0 = trio.current_time()
+            await bump()
+            await wait_until(lambda v=version: sampler.role.versions.engine == v, 30, what=f"version {version}")
+            assert trio.current_time() - t0 < 8, "announcements held up a real version"
         nursery.cancel_scope.cancel()

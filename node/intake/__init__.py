@@ -23,8 +23,8 @@ from node.intake.buffer import RolloutBuffer, take_batch
 from node.intake.journal import RolloutJournal
 from node.intake.leases import LeaseBook
 from node.intake.ledger import Ledger
-from node.intake.ratelimit import PeerRateLimiter
 from node.intake.verify import Forged, Rejected, RolloutVerifier, ScoreFn
+from node.ratelimit import PeerRateLimiter
 from node.settings import TrainerSettings
 from node.strikes import Strikes
 from protocols.errors import ProtocolError

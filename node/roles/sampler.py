@@ -73,7 +73,7 @@ class SamplerRole:
         self.engine: Engine | None = None
         self.engine_ready = trio.Event()
         self.store = ChunkStore(config.data_dir / "store")
-        self.weight_server = WeightServer(self.store)
+        self.weight_server = WeightServer(self.store, upload_per_peer=settings.weights.upload_per_peer)
         self.trainer_found = trio.Event()
         self.samplers: set[str] = set()
         self.groups_sent = 0

@@ -83,7 +83,8 @@ class TrainerRole:
         self.checkpoint_path = config.data_dir / "trainer.ckpt"
         self.metrics_path = config.data_dir / "metrics.jsonl"
         self.store = ChunkStore(config.data_dir / "store")
-        self.weight_server = WeightServer(self.store, origin=True, reserve_after=self.weights.reserve_after)
+        w = self.weights
+        self.weight_server = WeightServer(self.store, True, w.reserve_after, w.upload_per_peer)
         self.finished = trio.Event()
         self.busy_seconds = 0.0
         self.last_metrics: dict[str, float] = {}

@@ -7,6 +7,11 @@
 - Every chunk's blake3 is checked before it is stored. A peer that serves a bad chunk gets a strike
   (node/strikes.py; banned peers are never asked again); the chunk goes back to the pool and is fetched elsewhere.
 - A peer that vanishes mid-transfer just loses its workers; its chunks go back to the pool.
+- Claiming is not serving. A peer that advertises chunks and then answers "missing" for them (withholding), or
+  answers too slowly (a reply must arrive at ``min_rate`` bytes/s or better, so a request's timeout scales with its
+  size), is dropped as a source for this download and struck; its claims stop counting towards rarity, and any
+  chunk a request failed for becomes one the origin serves, so a liar cannot park chunks out of reach.
+- A peer that says "busy" or "rate_limited" (its upload limit) is simply asked again later.
 """
 
 from __future__ import annotations
@@ -24,8 +29,11 @@ from node.rpc import request
 from node.strikes import Strikes
 from node.weights.store import BadChunk, ChunkStore
 from protocols import weights as w
+from protocols.errors import RemoteError
 
 log = logging.getLogger(__name__)
+
+STALL_GRACE = 1.0  # seconds without a chunk arriving after which the origin serves chunks others only claim
 
 
 @dataclass
@@ -33,6 +41,9 @@ class DownloadStats:
     bytes_by_peer: dict[str, int] = field(default_factory=dict)
     bad_chunks: int = 0
     failed_requests: int = 0
+    withheld: dict[str, int] = field(default_factory=dict)  # advertised chunks a peer then said it lacked
+    slow: dict[str, int] = field(default_factory=dict)  # replies that missed their size-scaled deadline
+    dropped: list[str] = field(default_factory=list)  # peers no longer asked in this download
 
 
 class Download:
@@ -50,6 +61,7 @@ class Download:
         batch: int = w.MAX_CHUNKS_PER_REQUEST,
         have_interval: float = 0.5,
         request_timeout: float = 20.0,
+        min_rate: float = 256 << 10,
     ) -> None:
         self.host = host
         self.store = store
@@ -59,16 +71,19 @@ class Download:
         self.peers = peers
         self.strikes = strikes
         self.workers_per_peer = workers_per_peer
-        # Replies stay <= ~1 MiB: py-libp2p's yamux can deadlock when two peers push big replies to each
-        # other over one connection (each read loop blocks writing a window update); small replies keep
-        # that rare, and the request timeout below breaks it when it happens.
         # Tensor-aligned chunks are often far below chunk_size, so size requests by a generous guess at a typical
-        # chunk (4x the mean, at most chunk_size): on a long-RTT path each request then carries ~1 MiB.
+        # chunk (4x the mean, at most chunk_size): on a long-RTT path each request then carries ~4 MiB. (Replies
+        # were kept near 1 MiB while py-libp2p's yamux could deadlock; node/libp2p_patches.py removed that.)
         mean_chunk = max(1, manifest.total_size // max(1, len(manifest.all_chunks())))
-        typical = min(manifest.chunk_size, 4 * mean_chunk)
-        self.batch = max(1, min(batch, w.MAX_CHUNKS_PER_REQUEST, (1 << 20) // typical))
+        self.typical = min(manifest.chunk_size, 4 * mean_chunk)
+        self.batch = max(1, min(batch, w.MAX_CHUNKS_PER_REQUEST, (4 << 20) // self.typical))
         self.have_interval = have_interval
         self.request_timeout = request_timeout
+        self.min_rate = min_rate
+        self.failed: set[int] = set()  # chunks a request to a non-origin peer failed for: the origin may serve them
+        self.dropped: set[ID] = set()  # peers no longer asked in this download (withholding, too slow)
+        self.resting: dict[ID, float] = {}  # peer -> when it may be asked again (it said busy / rate limited)
+        self._last_arrival = trio.current_time()
         self.chunks = manifest.all_chunks()
         self.index = {h: i for i, h in enumerate(self.chunks)}
         self.missing: set[int] = {self.index[h] for h in store.missing(manifest)}
@@ -88,14 +103,21 @@ class Download:
 
     # -- choosing chunks ---------------------------------------------------------------------------------
     def rarity(self, i: int, exclude: ID | None = None) -> int:
-        return sum(1 for p, bits in self.holders.items() if i in bits and p != exclude and p != self.origin)
+        """How many credible peers other than the origin (and ``exclude``) claim chunk ``i``."""
+        return sum(
+            1
+            for p, bits in self.holders.items()
+            if i in bits and p != exclude and p != self.origin and p not in self.dropped
+        )
 
     def pick(self, peer: ID) -> list[int]:
         bits = self.holders.get(peer, set())
         candidates = [i for i in self.missing if i in bits and i not in self.in_flight]
         if peer == self.origin:
-            unique = [i for i in candidates if self.rarity(i) == 0]
-            candidates = unique or (candidates if not self.in_flight else [])
+            # only what no credible peer can give us, unless nothing has arrived for a while (claims are not chunks)
+            unique = [i for i in candidates if self.rarity(i) == 0 or i in self.failed]
+            stalled = trio.current_time() - self._last_arrival > STALL_GRACE
+            candidates = unique or (candidates if stalled or not self.in_flight else [])
         candidates.sort(key=lambda i: (self.rarity(i, exclude=peer), self._order[i]))
         return candidates[: self.batch]
 
@@ -111,14 +133,14 @@ class Download:
 
     async def _poll_haves(self, nursery: trio.Nursery) -> None:
         while True:
-            candidates = [p for p in self.peers() if not self.strikes.is_banned(p)]
+            candidates = [p for p in self.peers() if not self.strikes.is_banned(p) and p not in self.dropped]
             if self.origin is not None and self.origin not in candidates and not self.strikes.is_banned(self.origin):
                 candidates.append(self.origin)
             async with trio.open_nursery() as polls:
                 for peer in candidates:
                     polls.start_soon(self._poll_one, peer)
             for peer in list(self.holders):
-                while self.workers.get(peer, 0) < self.workers_per_peer and not self.strikes.is_banned(peer):
+                while self.workers.get(peer, 0) < self.workers_per_peer and self._usable(peer):
                     self.workers[peer] = self.workers.get(peer, 0) + 1
                     nursery.start_soon(self._worker, peer)
             self._poke()
@@ -140,10 +162,26 @@ class Download:
             return  # not holding this version (yet), or gone
         self.holders[peer] = {i for i in range(len(self.chunks)) if bits[i // 8] & (0x80 >> (i % 8))}
 
+    def _usable(self, peer: ID) -> bool:
+        return not self.strikes.is_banned(peer) and peer not in self.dropped
+
+    def _drop(self, peer: ID, why: str) -> None:
+        """Stop asking ``peer`` for this version; its claims no longer make chunks look available."""
+        if peer == self.origin or peer in self.dropped:
+            return
+        self.dropped.add(peer)
+        self.stats.dropped.append(str(peer))
+        self.holders.pop(peer, None)
+        self.strikes.strike(peer)
+        log.warning("not asking %s for version %d any more: %s", peer, self.manifest.version, why)
+
     async def _worker(self, peer: ID) -> None:
         failures = 0
         try:
-            while self.missing and not self.strikes.is_banned(peer) and failures < 3:
+            while self.missing and self._usable(peer) and failures < 3:
+                rest = self.resting.get(peer, 0.0) - trio.current_time()
+                if rest > 0:
+                    await trio.sleep(rest)
                 batch = self.pick(peer)
                 if not batch:
                     with trio.move_on_after(self.have_interval):
@@ -163,6 +201,7 @@ class Download:
 
     async def _fetch(self, peer: ID, batch: list[int]) -> bool:
         hashes = [self.chunks[i] for i in batch]
+        deadline = min(self.request_timeout, 3.0 + len(batch) * self.typical / self.min_rate)
         try:
             reply = await request(
                 self.host,
@@ -171,12 +210,24 @@ class Download:
                 w.get_chunks(hashes),
                 max_request=w.MAX_REQUEST_FRAME,
                 max_reply=w.MAX_REPLY_FRAME,
-                timeout=self.request_timeout,
+                timeout=deadline,
             )
             found, _missing = w.parse_chunks_reply(reply, hashes, self.manifest.chunk_size)
+        except RemoteError as exc:
+            if exc.code in ("busy", "rate_limited"):  # its upload limit: ask again later, no blame
+                self.resting[peer] = trio.current_time() + min(exc.retry_after or 1.0, 10.0)
+                return True
+            self._failed(peer, batch, f"{exc}")
+            return False
+        except trio.TooSlowError:
+            key = str(peer)
+            self.stats.slow[key] = self.stats.slow.get(key, 0) + 1
+            self._failed(peer, batch, f"no reply within {deadline:.1f} s")
+            if self.stats.slow[key] >= 2:
+                self._drop(peer, f"{self.stats.slow[key]} chunk requests got no reply within their deadline")
+            return False
         except Exception as exc:
-            self.stats.failed_requests += 1
-            log.debug("chunk request to %s failed: %s", peer, exc)
+            self._failed(peer, batch, f"{type(exc).__name__}: {exc}")
             return False
         for h, data in found.items():
             try:
@@ -187,9 +238,23 @@ class Download:
                 log.warning("peer %s served a corrupt chunk %s; fetching it elsewhere", peer, h.hex()[:12])
                 continue
             self.missing.discard(self.index[h])
+            self.failed.discard(self.index[h])
+            self._last_arrival = trio.current_time()
             key = str(peer)
             self.stats.bytes_by_peer[key] = self.stats.bytes_by_peer.get(key, 0) + len(data)
-        if len(found) < len(hashes):
-            # the peer no longer has some of what it advertised: refresh on the next poll
-            self.holders.get(peer, set()).difference_update(self.index[h] for h in hashes if h not in found)
+        lacking = [self.index[h] for h in hashes if h not in found]
+        if lacking and peer != self.origin:  # the origin throttles on purpose ("ask the others first")
+            key = str(peer)
+            self.stats.withheld[key] = self.stats.withheld.get(key, 0) + len(lacking)
+            self.failed.update(lacking)
+            self.holders.get(peer, set()).difference_update(lacking)  # refreshed on the next have-poll
+            served = self.stats.bytes_by_peer.get(key, 0) // max(1, self.typical)
+            if self.stats.withheld[key] >= 4 and self.stats.withheld[key] > served:
+                self._drop(peer, f"advertised {self.stats.withheld[key]} chunks it then did not serve")
         return True
+
+    def _failed(self, peer: ID, batch: list[int], why: str) -> None:
+        self.stats.failed_requests += 1
+        if peer != self.origin:
+            self.failed.update(batch)
+        log.debug("chunk request to %s failed: %s", peer, why)

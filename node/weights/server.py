@@ -9,6 +9,7 @@ import trio
 from libp2p.abc import IHost
 from libp2p.peer.id import ID
 
+from node.ratelimit import PeerRateLimiter
 from node.rpc import serve
 from node.weights.store import ChunkStore
 from protocols import weights as w
@@ -26,15 +27,27 @@ class WeightServer:
     different peers, who then swap them: this keeps the trainer's upload near one model per version however
     many samplers ask at once."""
 
-    def __init__(self, store: ChunkStore, origin: bool = False, reserve_after: float = 3.0) -> None:
+    def __init__(
+        self, store: ChunkStore, origin: bool = False, reserve_after: float = 3.0, upload_per_peer: float = 16 << 20
+    ) -> None:
         self.store = store
         self.origin = origin
         self.reserve_after = reserve_after
+        # bytes/s any one peer may pull (2 s of burst): a peer pulling everything it can must not starve this
+        # node's own work (a sampler's generation) nor the other peers
+        self.upload_limit = PeerRateLimiter(upload_per_peer, 2 * upload_per_peer, max_peers=10_000)
+        self._requests = 0
         self._last_served: dict[bytes, float] = {}
         self.bytes_served = 0
         self.chunks_served = 0
         self.throttled = 0
         self._served: dict[bytes, int] = {}
+
+    def _forget_gone_chunks(self) -> None:
+        """Serving counters only for chunks still held: this state must not grow with every version ever served."""
+        for table in (self._served, self._last_served):
+            for h in [h for h in table if not self.store.has(h)]:
+                del table[h]
 
     def _floor(self) -> int:
         latest = self.store.latest()
@@ -49,7 +62,8 @@ class WeightServer:
 
     def register(self, host: IHost) -> None:
         host.set_stream_handler(
-            w.PROTOCOL_ID, serve("weights", self.handle, w.MAX_REQUEST_FRAME, w.MAX_REPLY_FRAME, timeout=30.0)
+            w.PROTOCOL_ID,
+            serve("weights", self.handle, w.MAX_REQUEST_FRAME, w.MAX_REPLY_FRAME, timeout=30.0, streams_per_peer=4),
         )
 
     async def handle(self, message: dict[str, Any], remote: ID) -> dict[str, Any]:
@@ -65,6 +79,12 @@ class WeightServer:
                 raise NotFound(f"manifest {arg.hex()[:12]} is not held here")
             return entry[0].to_wire()
         if kind == "get_chunks":
+            self._requests += 1
+            if self._requests % 1024 == 0:
+                self._forget_gone_chunks()
+            cost = sum(self.store.size(h) for h in arg)
+            if cost:  # raises RateLimited(retry_after); one request never costs more than the burst
+                self.upload_limit.take(str(remote), min(float(cost), self.upload_limit.burst))
             found, missing = [], []
             floor = self._floor() if self.origin else 0
             for h in arg:

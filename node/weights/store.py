@@ -50,6 +50,15 @@ class ChunkStore:
     def has(self, h: bytes) -> bool:
         return h in self._present
 
+    def size(self, h: bytes) -> int:
+        """A held chunk's size in bytes (0 if it is not held)."""
+        if h not in self._present:
+            return 0
+        try:
+            return self._chunk_path(h).stat().st_size
+        except FileNotFoundError:
+            return 0
+
     def read(self, h: bytes) -> bytes | None:
         if h not in self._present:
             return None

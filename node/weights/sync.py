@@ -53,6 +53,10 @@ class WeightSync:
         self.forged_manifests = 0
         self.heard_at: dict[int, float] = {}  # version -> when its signed manifest was accepted
         self.last_swap_seconds: float | None = None  # from a version's announcement to the engine running it
+        self._pending_ids: set[bytes] = set()  # announced manifests being fetched
+        self._announce_slots = trio.Semaphore(4)
+        self._announce_failures: dict[str, int] = {}
+        self._trainer_asked = trio.Event()
         self.download: Download | None = None
         self._target_changed = trio.Event()
 
@@ -64,6 +68,7 @@ class WeightSync:
         if latest is not None:
             await self._activate(latest[0], latest[2])
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             nursery.start_soon(self.gossip.listen, announce_topic(self.swarm_name), self._on_announce)
             nursery.start_soon(self._poll_trainer)
             nursery.start_soon(self._download_loop)
@@ -84,20 +89,40 @@ class WeightSync:
         return out
 
     async def _on_announce(self, sender: ID, message: dict[str, Any]) -> None:
+        """Handle each announcement in its own task (a peer that never answers must not hold up the others), at
+        most a few at once; versions not newer than what we hold or chase are ignored, each manifest id once."""
         version, mid = w.parse_announce(message)
         if (self.target is not None and version <= self.target[0]) or version <= self.current:
             return
-        await self.consider(sender, mid)
+        if mid in self._pending_ids or self.strikes.is_banned(sender) or len(self._pending_ids) >= 64:
+            return
+        self._pending_ids.add(mid)
+        self._nursery.start_soon(self._consider_announced, sender, mid)
+
+    async def _consider_announced(self, sender: ID, mid: bytes) -> None:
+        try:
+            # ask the trainer first (once, at start): a replayed old announcement must not be a new node's first pick
+            with trio.move_on_after(self.settings.manifest_timeout):
+                await self._trainer_asked.wait()
+            async with self._announce_slots:
+                if not await self.consider(sender, mid) and sender != self.trainer_id:
+                    self._announce_failures[str(sender)] = self._announce_failures.get(str(sender), 0) + 1
+                    if self._announce_failures[str(sender)] >= 3:  # announces what it cannot produce
+                        self.strikes.strike(sender)
+        finally:
+            self._pending_ids.discard(mid)
 
     async def _poll_trainer(self) -> None:
         """Gossip can miss a late joiner; ask the trainer for its newest manifest now and then."""
         while True:
             if self.trainer_id in self.swarm.host.get_connected_peers():
-                await self.consider(self.trainer_id, None)
+                await self.consider(self.trainer_id, None, self.settings.request_timeout)
+                self._trainer_asked.set()
             await trio.sleep(self.settings.poll_interval)
 
-    async def consider(self, peer: ID, mid: bytes | None) -> None:
-        """Fetch a manifest from ``peer``; if the trusted trainer signed it and it is newer, make it the target."""
+    async def consider(self, peer: ID, mid: bytes | None, timeout: float | None = None) -> bool:
+        """Fetch a manifest from ``peer`` (``mid``, or its newest); if the trusted trainer signed it, it is the one
+        asked for, and it is newer, make it the target. False when ``peer`` gave nothing usable."""
         known = self.store.manifest(mid) if mid else None
         if known is None:
             try:
@@ -108,24 +133,26 @@ class WeightSync:
                     w.get_manifest(mid),
                     max_request=w.MAX_REQUEST_FRAME,
                     max_reply=w.MAX_MANIFEST_BODY + 4096,
-                    timeout=30.0,
+                    timeout=timeout or self.settings.manifest_timeout,
                 )
                 signed = w.SignedManifest.from_wire(reply)
                 manifest = verify_manifest(signed, self.trainer_id, self.swarm_name)
+                if mid is not None and manifest_id(signed) != mid:
+                    raise ForgedManifest("asked for one manifest, answered with another (a replay?)")
             except ForgedManifest as exc:
                 self.forged_manifests += 1
                 self.strikes.strike(peer)
                 log.warning("rejected a manifest from %s: %s", peer, exc)
-                return
+                return False
             except (ProtocolError, Exception) as exc:
                 log.debug("no manifest from %s: %s", peer, exc)
-                return
+                return False
             mid = manifest_id(signed)
         else:
             signed, manifest = known
         newest = self.target[0] if self.target is not None else self.current
         if manifest.version <= newest:
-            return
+            return True
         self.store.add_manifest(signed, manifest)
         self.target = (manifest.version, mid, manifest)
         self.heard_at[manifest.version] = time.monotonic()
@@ -136,6 +163,7 @@ class WeightSync:
             manifest.total_size / 1e6,
         )
         self._target_changed.set()
+        return True
 
     async def _download_loop(self) -> None:
         while True:
@@ -154,6 +182,7 @@ class WeightSync:
                 workers_per_peer=s.workers_per_peer,
                 have_interval=s.have_interval,
                 request_timeout=s.request_timeout,
+                min_rate=s.min_rate,
             )
             self.download = download
             with trio.CancelScope() as scope:
