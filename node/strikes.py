@@ -9,15 +9,19 @@ from dataclasses import dataclass, field
 @dataclass
 class Strikes:
     limit: int
+    max_peers: int = 100_000  # beyond this, the oldest entries are forgotten: state stays bounded under Sybils
     counts: dict[str, int] = field(default_factory=dict)
-    banned: set[str] = field(default_factory=set)
+    banned: dict[str, None] = field(default_factory=dict)  # insertion-ordered set
 
     def strike(self, peer: object) -> bool:
         """Count one strike against ``peer``; True when that bans it."""
         key = str(peer)
-        self.counts[key] = self.counts.get(key, 0) + 1
+        self.counts[key] = self.counts.pop(key, 0) + 1  # re-inserted: most recently struck last
+        for table in (self.counts, self.banned):
+            while len(table) > self.max_peers:
+                del table[next(iter(table))]
         if self.counts[key] >= self.limit and key not in self.banned:
-            self.banned.add(key)
+            self.banned[key] = None
             return True
         return False
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 
@@ -96,3 +97,13 @@ def test_batches_take_the_oldest_usable_groups_and_count_the_rest():
     assert [g.version for g, _ in queue] == [7]  # what was not needed stays, in order
     rest = take_batch(queue, 4, version=6, max_staleness=2)
     assert [g.version for g in rest.batch] == [7] and not queue
+
+
+def test_batches_give_each_peer_a_fair_share_without_stalling():
+    flood = [(dataclasses.replace(group(5), peer="flood", group_id=f"f{i}"), [f"f{i}"]) for i in range(20)]
+    honest = [(dataclasses.replace(group(5), peer="honest", group_id=f"h{i}"), [f"h{i}"]) for i in range(3)]
+    queue = deque(flood + honest)  # the flood arrived first
+    taken = take_batch(queue, 8, version=5, max_staleness=2)
+    assert [g.peer for g in taken.batch].count("honest") == 3  # its whole share, though it came last
+    assert len(taken.batch) == 8 and len(queue) == 15  # the flood filled the rest: the step does not wait
+    assert [g.group_id for g, _ in queue][:2] == ["f5", "f6"]  # what waits keeps its order

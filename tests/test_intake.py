@@ -163,3 +163,35 @@ async def test_acks_wait_for_a_shared_fsync(tmp_path):
     journal = intake.journal
     assert journal.appended == 16 and journal.synced == 16 and min(synced_at_ack) >= 1
     assert journal.fsyncs < 16  # group commit: waiting acks shared fsyncs
+
+
+async def test_fresh_identities_share_one_newcomer_budget_and_cannot_hoard_leases(tmp_path):
+    """Issue 17, 6: every limit used to be per peer, so 50 identities took 50 times the budget. Now identities
+    without an accepted record share one newcomer budget, and no peer holds more than a few open leases."""
+    from node.ratelimit import RateLimited
+    from node.rpc import Busy
+
+    intake = make_intake(tmp_path, newcomer_rate=2.0, trusted_after=1, max_open_leases=2, work_burst=100.0)
+    admitted = refused = 0
+    for k in range(50):
+        try:
+            intake.admit_rollouts(f"sybil{k}")
+            admitted += 1
+        except RateLimited:
+            refused += 1
+    assert admitted == 8 and refused == 42  # the newcomer burst (4 x rate), shared by all fifty
+    # a peer with an accepted record is not a newcomer: the Sybils' exhaustion does not touch it
+    intake.admit_work("alice")
+    lease = intake.lease(WorkRequest(4), "alice", version=0)
+    await intake.submit(group_for(intake, "alice", lease.tasks[0], lease, ["1", "22"]), "alice", 0)
+    assert not intake.is_newcomer("alice")
+    intake.admit_rollouts("alice")  # no RateLimited
+    # leases: two open ones per peer, then "busy" until their groups come back
+    for _ in range(2):
+        intake.admit_work("hoarder")
+        intake.lease(WorkRequest(4), "hoarder", version=0)
+    try:
+        intake.admit_work("hoarder")
+        raise AssertionError("a third lease was admitted")
+    except Busy as exc:
+        assert exc.retry_after > 0

@@ -11,6 +11,7 @@ import pytest
 from node.cli import add_node_args, load_settings
 from node.settings import TABLES
 from trainer.errors import UserError
+from trainer.settings import LearnerSettings
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -36,7 +37,7 @@ def test_flags_override_the_file_which_overrides_defaults(tmp_path):
     assert s.trainer.max_staleness == 4 and s.sampler.groups_per_request == 4  # defaults
     (tmp_path / "empty.toml").write_text("")
     plain = load_settings(parse("--config", str(tmp_path / "empty.toml")))
-    assert plain.learner.lr == 3e-3 and plain.weights.encoding == "native"
+    assert plain.learner.lr == LearnerSettings().lr and plain.weights.encoding == "native"
 
 
 def test_every_knob_has_a_flag(tmp_path):

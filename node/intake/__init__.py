@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from node.intake.leases import LeaseBook
 from node.intake.ledger import Ledger
 from node.intake.verify import Forged, Rejected, RolloutVerifier, ScoreFn
 from node.ratelimit import PeerRateLimiter
+from node.rpc import Busy
 from node.settings import TrainerSettings
 from node.strikes import Strikes
 from protocols.errors import ProtocolError
@@ -36,6 +38,7 @@ from trainer.tasks import Task
 log = logging.getLogger(__name__)
 
 MAX_PEERS_TRACKED = 10_000
+NEWCOMERS = "(newcomers)"  # the one bucket every peer without a record draws from
 
 
 class Banned(ProtocolError):
@@ -61,6 +64,7 @@ class RolloutIntake:
         self.strikes = Strikes(s.max_strikes)
         self.work_limit = PeerRateLimiter(s.work_rate, s.work_burst)
         self.rollout_limit = PeerRateLimiter(s.rollout_rate, s.rollout_burst)
+        self.newcomer_limit = PeerRateLimiter(s.newcomer_rate, 4 * s.newcomer_rate)
         self.journal = RolloutJournal(journal_dir)
         self.buffer = RolloutBuffer(s.max_buffered)
         self.ledger = Ledger()
@@ -75,16 +79,27 @@ class RolloutIntake:
 
     # -- work --------------------------------------------------------------------------------------------
     def admit_work(self, peer: str) -> None:
-        """When a work stream opens, before anything is read: banned peers and floods stop here."""
+        """When a work stream opens, before anything is read: banned peers, floods and lease hoarders stop here."""
         if self.strikes.is_banned(peer):
             raise Banned("this peer is banned for forged rollouts")
         self.work_limit.take(peer)
+        held = self.leases.open_leases(peer)
+        if held >= self.settings.max_open_leases:
+            raise Busy(f"this peer holds {held} open leases: send their groups first", retry_after=5.0)
+
+    def is_newcomer(self, peer: str) -> bool:
+        accepted_groups = self.ledger.accepted_by_peer.get(peer, 0) // max(1, self.settings.group_size)
+        return accepted_groups < self.settings.trusted_after
 
     def admit_rollouts(self, peer: str) -> None:
-        """When a rollout stream opens, before anything is read or decoded: a flood costs only this."""
+        """When a rollout stream opens, before anything is read or decoded: a flood costs only this. Peers without
+        a record of accepted groups also share one newcomer budget: each verification costs a forward pass, and
+        fresh identities are free, so their total is what is bounded, not each one's."""
         if self.strikes.is_banned(peer):
             raise Banned("this peer is banned for forged rollouts")
         self.rollout_limit.take(peer)
+        if self.is_newcomer(peer):
+            self.newcomer_limit.take(NEWCOMERS)
 
     def lease(self, req: WorkRequest, peer: str, version: int) -> WorkLease:
         """Prompts for ``peer`` (admitted by ``admit_work`` when its stream opened)."""
@@ -129,12 +144,12 @@ class RolloutIntake:
             return RolloutAck(rejected=[(i, str(exc)) for i in ids])
         self.leases.close_seed(g.lease_id, g.seed)
         seq = self.journal.append(group, ids)
-        self.buffer.seen_ids.update(ids)  # known from here on: a resend waiting on the fsync is a duplicate
+        self.buffer.seen_ids.add(group.version, ids)  # known from here on: a resend waiting on the fsync is a duplicate
         if self.settings.durable_acks:
             try:
                 await self.journal.sync(seq)  # group commit: one fsync covers every append made before it
             except BaseException:
-                self.buffer.seen_ids.difference_update(ids)
+                self.buffer.seen_ids.discard(group.version, ids)
                 raise
         self._buffer(group, ids, count=True)
         return RolloutAck(accepted=ids)
@@ -158,8 +173,10 @@ class RolloutIntake:
     async def next_batch(self, n_groups: int, version: int) -> list[Group]:
         """Wait until ``n_groups`` usable groups (fresh enough, with reward variance) have arrived."""
         batch: list[Group] = []
+        per_peer: Counter = Counter()
+        self.buffer.seen_ids.forget_before(version - self.settings.max_staleness)
         while True:
-            taken = take_batch(self.buffer.queue, n_groups - len(batch), version, self.settings.max_staleness)
+            taken = take_batch(self.buffer.queue, n_groups - len(batch), version, self.settings.max_staleness, per_peer)
             batch += taken.batch
             self.pending = len(batch)
             self.ledger.groups_stale += taken.stale

@@ -6,7 +6,7 @@ versions behind is dropped as stale; a group whose rewards are all equal is drop
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from trainer.groups import Group, has_signal
@@ -21,27 +21,68 @@ class Taken:
     no_signal: int = 0
 
 
-def take_batch(queue: deque[Entry], want: int, version: int, max_staleness: int) -> Taken:
-    """Pop groups from the front of ``queue`` until ``want`` usable ones are found or it runs dry."""
+def take_batch(queue: deque[Entry], want: int, version: int, max_staleness: int, taken: Counter | None = None) -> Taken:
+    """Take up to ``want`` usable groups, oldest first, but no peer more than its fair share: ``want`` divided among
+    the peers with groups waiting (``taken`` counts what each already has in this batch). A peer's groups over its
+    share wait for the next batch, so a flood of groups from one identity (or a few) cannot crowd out the others;
+    if the batch would otherwise wait for groups that are not there, they fill it (the policy is work-conserving)."""
     out = Taken()
+    taken = taken if taken is not None else Counter()
+    peers = len({g.peer for g, _ in queue} | set(taken))
+    share = max(1, -(-(want + sum(taken.values())) // max(1, peers)))  # ceil
+    kept: list[Entry] = []
     while queue and len(out.batch) < want:
-        group, _ = queue.popleft()
+        entry = queue.popleft()
+        group = entry[0]
         if version - group.version > max_staleness:
             out.stale += 1
         elif not has_signal(group.rewards):
             out.no_signal += 1
+        elif taken[group.peer] >= share:
+            kept.append(entry)
         else:
+            taken[group.peer] += 1
             out.batch.append(group)
+    while kept and len(out.batch) < want:  # nobody else had groups waiting: don't stall the step for fairness
+        entry = kept.pop(0)
+        taken[entry[0].peer] += 1
+        out.batch.append(entry[0])
+    queue.extendleft(reversed(kept))
     return out
 
 
+class SeenIds:
+    """Rollout ids already accepted, by the version they were sampled on: a resend is answered "duplicate". Ids of
+    versions too old to be accepted again are forgotten (a resend of one is refused as stale anyway), so this set
+    does not grow with the length of a run."""
+
+    def __init__(self) -> None:
+        self.by_version: dict[int, set[str]] = {}
+
+    def __contains__(self, rollout_id: str) -> bool:
+        return any(rollout_id in ids for ids in self.by_version.values())
+
+    def __len__(self) -> int:
+        return sum(len(ids) for ids in self.by_version.values())
+
+    def add(self, version: int, ids: list[str]) -> None:
+        self.by_version.setdefault(version, set()).update(ids)
+
+    def discard(self, version: int, ids: list[str]) -> None:
+        self.by_version.get(version, set()).difference_update(ids)
+
+    def forget_before(self, version: int) -> None:
+        for v in [v for v in self.by_version if v < version]:
+            del self.by_version[v]
+
+
 class RolloutBuffer:
-    """Accepted groups in arrival order, and every rollout id ever accepted (resends are duplicates)."""
+    """Accepted groups in arrival order, and the rollout ids accepted recently (resends are duplicates)."""
 
     def __init__(self, max_groups: int = 4096) -> None:
         self.queue: deque[Entry] = deque()
         self.max_groups = max_groups
-        self.seen_ids: set[str] = set()
+        self.seen_ids = SeenIds()
 
     def __len__(self) -> int:
         return len(self.queue)
@@ -51,7 +92,7 @@ class RolloutBuffer:
 
     def add(self, group: Group, rollout_ids: list[str]) -> int:
         """Buffer a group; returns how many of the oldest groups fell off the end (counted as stale)."""
-        self.seen_ids.update(rollout_ids)
+        self.seen_ids.add(group.version, rollout_ids)
         self.queue.append((group, rollout_ids))
         dropped = 0
         while len(self.queue) > self.max_groups:

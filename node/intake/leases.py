@@ -1,4 +1,8 @@
-"""Work leases: which (task, seed) prompts went to which sampler, so returned rollouts can be checked."""
+"""Work leases: which (task, seed) prompts went to which sampler, so returned rollouts can be checked.
+
+Leases are kept in issue order, so expiring them is cheap (the oldest are at the front) however many a flood of
+identities asks for; each peer may hold only ``max_open_per_peer`` of them at once.
+"""
 
 from __future__ import annotations
 
@@ -39,8 +43,13 @@ class LeaseBook:
         self.ttl = ttl
         self.max_staleness = max_staleness
         self.next_seed = seed_base  # the buffer cursor: saved in checkpoints
-        self._leases: dict[str, LeaseRecord] = {}
+        self._leases: dict[str, LeaseRecord] = {}  # insertion order = issue order
+        self.open_by_peer: dict[str, int] = {}
         self.issued = 0
+
+    def open_leases(self, peer: str) -> int:
+        self._expire()
+        return self.open_by_peer.get(peer, 0)
 
     def issue(self, peer: str, n_groups: int, version: int) -> WorkLease:
         self._expire()
@@ -53,8 +62,17 @@ class LeaseBook:
             secrets.token_hex(8), version, self.group_size, self.sampling, tasks, self.ttl, self.max_staleness
         )
         self._leases[lease.lease_id] = LeaseRecord(lease, peer, time.monotonic(), {t.seed for t in tasks})
+        self.open_by_peer[peer] = self.open_by_peer.get(peer, 0) + 1
         self.issued += 1
         return lease
+
+    def _forget(self, lease_id: str) -> None:
+        rec = self._leases.pop(lease_id)
+        left = self.open_by_peer.get(rec.peer, 1) - 1
+        if left > 0:
+            self.open_by_peer[rec.peer] = left
+        else:
+            self.open_by_peer.pop(rec.peer, None)
 
     def get(self, lease_id: str) -> LeaseRecord | None:
         return self._leases.get(lease_id)
@@ -64,10 +82,14 @@ class LeaseBook:
         if rec is not None:
             rec.open_seeds.discard(seed)
             if not rec.open_seeds:
-                del self._leases[lease_id]
+                self._forget(lease_id)
 
     def _expire(self) -> None:
-        # A late group is still useful; keep leases twice their ttl before forgetting them.
+        # A late group is still useful; keep leases twice their ttl before forgetting them. Oldest first: stop at
+        # the first one still valid.
         cutoff = time.monotonic() - 2 * self.ttl
-        for lid in [lid for lid, r in self._leases.items() if r.issued_at < cutoff]:
-            del self._leases[lid]
+        while self._leases:
+            lid, rec = next(iter(self._leases.items()))
+            if rec.issued_at >= cutoff:
+                break
+            self._forget(lid)

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+OTHERS = "(others)"
+
 
 @dataclass
 class Ledger:
@@ -16,10 +18,13 @@ class Ledger:
     groups_stale: int = 0
     groups_no_signal: int = 0
 
-    def accept(self, peer: str, rollouts: int) -> None:
+    def accept(self, peer: str, rollouts: int, max_peers: int = 10_000) -> None:
         self.groups_accepted += 1
         self.rollouts_accepted += rollouts
         self.accepted_by_peer[peer] = self.accepted_by_peer.get(peer, 0) + rollouts
+        if len(self.accepted_by_peer) > max_peers:  # bounded: the least recently added peers fold into one line
+            oldest = next(p for p in self.accepted_by_peer if p != OTHERS)
+            self.accepted_by_peer[OTHERS] = self.accepted_by_peer.get(OTHERS, 0) + self.accepted_by_peer.pop(oldest)
 
     def unaccounted(self, buffered: int) -> int:
         """Accepted groups whose fate is unknown (0 when the books balance)."""
