@@ -295,3 +295,43 @@ async def test_slow_streams_cannot_pile_up(trainer_and_client):
     assert (await get_lease(client, trainer)).tasks
     for s in streams:
         await s.reset()
+
+
+@pytest.mark.slow
+async def test_after_300_identities_come_and_go_a_new_sampler_still_joins(tmp_path, tiny_model_dir, nursery):
+    """Issue 17, 1: fresh identities that connect, take a lease and leave used to lock a node for good after 250
+    (py-libp2p held an inbound slot per connection until the swarm stopped; node/libp2p_patches.py frees it)."""
+    from libp2p.crypto.ed25519 import create_new_key_pair
+    from libp2p.peer.peerinfo import info_from_p2p_addr
+
+    from node.host import build_host
+
+    boot = await start_bootstrap(nursery, tmp_path)
+    trainer = await start_trainer(nursery, tmp_path, boot, tiny_model_dir, group_size=4, max_tokens=6, work_burst=1e9)
+    target = info_from_p2p_addr(trainer.swarm.addrs()[0])
+    leased = 0
+
+    async def visit() -> None:
+        nonlocal leased
+        client = build_host(create_new_key_pair())
+        async with client.run([]):
+            with trio.move_on_after(30):
+                await client.connect(target)
+                reply = await request(
+                    client,
+                    target.peer_id,
+                    work.PROTOCOL_ID,
+                    WorkRequest(1).to_wire(),
+                    max_request=work.MAX_FRAME,
+                    max_reply=work.MAX_FRAME,
+                )
+                leased += bool(WorkLease.from_wire(reply).tasks)
+                await client.disconnect(target.peer_id)
+
+    for _ in range(4):
+        async with trio.open_nursery() as wave:
+            for _ in range(75):
+                wave.start_soon(visit)
+    assert leased >= 290, f"only {leased} of 300 identities got a lease"
+    newcomer = await start_sampler(nursery, tmp_path, "late", boot, engine="torch")
+    await wait_until(lambda: newcomer.role.rollouts_accepted > 0, 90, what="the late sampler's first accepted group")
