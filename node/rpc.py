@@ -90,7 +90,7 @@ class StreamCaps:
                 del self.active[peer]
 
 
-async def decode(body: bytes, max_size: int, max_containers: int) -> dict[str, Any]:
+async def decode(body: bytes | bytearray, max_size: int, max_containers: int) -> dict[str, Any]:
     if len(body) > OFFLOAD_BYTES:
         return await trio.to_thread.run_sync(unpack, body, max_size, max_containers)
     return unpack(body, max_size, max_containers)

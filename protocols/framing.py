@@ -38,7 +38,7 @@ class _TooManyContainers(Exception):
     pass
 
 
-def unpack(body: bytes, max_size: int, max_containers: int = MAX_CONTAINERS) -> dict[str, Any]:
+def unpack(body: bytes | bytearray, max_size: int, max_containers: int = MAX_CONTAINERS) -> dict[str, Any]:
     """Decode msgpack bytes into a message dict, refusing anything that is not a versioned map, and any body with
     more than ``max_containers`` maps and arrays (counted as they are built, so a bomb stops early)."""
     built = 0
@@ -121,11 +121,28 @@ class FrameReader:
             raise FrameTooLarge(f"peer announced a {length} B frame; the limit is {max_size} B")
         return length
 
-    async def read_exactly(self, length: int) -> bytes:
-        await self._fill(length)
-        return self._take(length)
+    async def read_exactly(self, length: int) -> bytes | bytearray:
+        """``length`` bytes; a large body is read straight into one buffer of its size (one copy, not three)."""
+        if self._buf or length < READ_CHUNK:
+            await self._fill(length)
+            return self._take(length)
+        from libp2p.network.stream.exceptions import StreamError
 
-    async def read_body(self, max_size: int) -> bytes:
+        out = bytearray(length)
+        view = memoryview(out)
+        pos = 0
+        while pos < length:
+            try:
+                data = await self._stream.read(min(READ_CHUNK, length - pos))
+            except StreamError as exc:
+                raise PeerClosed(f"stream ended after {pos} of {length} bytes ({type(exc).__name__})") from None
+            if not data:
+                raise PeerClosed(f"stream ended after {pos} of {length} bytes")
+            view[pos : pos + len(data)] = data
+            pos += len(data)
+        return out
+
+    async def read_body(self, max_size: int) -> bytes | bytearray:
         """Return the next frame's raw body, refusing one whose header announces more than ``max_size``."""
         return await self.read_exactly(await self.read_length(max_size))
 

@@ -37,6 +37,7 @@ def test_apply_is_idempotent_and_reversible():
     patched_write = yamux_module.Yamux._write_frame
     patched_inbound = Swarm._do_handle_inbound_connection
     assert patched_write is libp2p_patches._write_frame
+    assert yamux_module.MAX_MESSAGE_SIZE == 65519  # one yamux frame = one Noise message
     libp2p_patches.apply()  # a second call changes nothing (build_host calls it for every host)
     assert yamux_module.Yamux._write_frame is patched_write
     assert Swarm._do_handle_inbound_connection is patched_inbound
@@ -50,6 +51,7 @@ def test_apply_is_idempotent_and_reversible():
     libp2p_patches.unapply()
     libp2p_patches.unapply()
     assert yamux_module.Yamux._write_frame is stock_write
+    assert yamux_module.MAX_MESSAGE_SIZE == 65536
     libp2p_patches.apply()
     assert yamux_module.Yamux._write_frame is patched_write
 
