@@ -12,6 +12,10 @@ before any work is done for it, in this order:
 4. the body must arrive at ``min_rate`` bytes/s or better (plus a grace period): a slow-loris stream is cut;
 5. a body of more than ``OFFLOAD_BYTES`` is decoded in a worker thread (the event loop keeps serving), with a cap
    on maps and arrays per message (protocols/framing.py).
+
+Streams are reused: a request leaves its stream open for the next request to the same peer and protocol
+(``StreamPool``), and a served stream takes requests until it idles ``IDLE_TIMEOUT`` seconds. A stream open costs
+a multistream negotiation through Noise, which in a swarm of polls and small chunk requests was most of the CPU.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ log = logging.getLogger(__name__)
 # refusals that are part of normal operation (backpressure; asking for a version this peer does not hold)
 QUIET_CODES = frozenset({"rate_limited", "not_found", "busy"})
 OFFLOAD_BYTES = 64 << 10  # decode bodies larger than this off the event loop
+IDLE_TIMEOUT = 30.0  # a served stream with no new request for this long is closed
 
 Handler = Callable[[dict[str, Any], ID], Awaitable[dict[str, Any]]]
 
@@ -109,32 +114,48 @@ def serve(
     min_rate: float = 64 << 10,
     budget: FrameBudget = BUDGET,
 ):
-    """Wrap ``handler(message, remote_peer) -> reply`` as a py-libp2p stream handler (see the module docstring)."""
+    """Wrap ``handler(message, remote_peer) -> reply`` as a py-libp2p stream handler (see the module docstring).
+
+    A stream may carry one request after another (the client keeps it for the next one: opening a stream costs a
+    multistream negotiation, more CPU than a small request itself); it is closed after ``IDLE_TIMEOUT`` seconds
+    without a request, after an error reply, or when the client closes it."""
     caps = StreamCaps(streams_per_peer)
 
     async def on_stream(stream: INetStream) -> None:
         remote = stream.muxed_conn.peer_id
         try:
-            with trio.fail_after(timeout):
-                try:
-                    with caps.hold(remote):
-                        if admit is not None:
-                            admit(remote)
-                        reader = FrameReader(stream)
-                        length = await reader.read_length(max_request)
-                        with budget.reserve(length), trio.fail_after(10.0 + length / min_rate):
-                            body = await reader.read_exactly(length)
-                        message = await decode(body, max_request, max_containers)
-                        del body
-                        reply = await handler(message, remote)
-                except PeerClosed:
-                    return
-                except ProtocolError as exc:
-                    level = logging.DEBUG if exc.code in QUIET_CODES else logging.WARNING
-                    log.log(level, "%s: rejected input from %s: %s", name, remote, exc)
-                    reply = error_reply(exc.code, str(exc), getattr(exc, "retry_after", None))
-                await write_message(stream, reply, max_reply)
-                await stream.close()
+            with caps.hold(remote):
+                reader = FrameReader(stream)
+                while True:
+                    with trio.move_on_after(IDLE_TIMEOUT) as idle:
+                        try:
+                            length = await reader.read_length(max_request)
+                        except PeerClosed:
+                            await _close(stream)  # the client is done with this stream
+                            return
+                        except ProtocolError as exc:
+                            await _refuse(stream, name, remote, exc, max_reply)
+                            return
+                    if idle.cancelled_caught:
+                        await stream.close()
+                        return
+                    with trio.fail_after(timeout):
+                        try:
+                            if admit is not None:
+                                admit(remote)
+                            with budget.reserve(length), trio.fail_after(10.0 + length / min_rate):
+                                body = await reader.read_exactly(length)
+                            message = await decode(body, max_request, max_containers)
+                            del body
+                            reply = await handler(message, remote)
+                        except PeerClosed:
+                            return
+                        except ProtocolError as exc:
+                            await _refuse(stream, name, remote, exc, max_reply)
+                            return
+                        await write_message(stream, reply, max_reply)
+        except Busy as exc:  # too many streams from this peer already: say so, then close
+            await _refuse(stream, name, remote, exc, max_reply)
         except trio.TooSlowError:
             log.warning("%s: %s timed out", name, remote)
             await _reset(stream)
@@ -145,11 +166,59 @@ def serve(
     return on_stream
 
 
+async def _refuse(stream: INetStream, name: str, remote: ID, exc: ProtocolError, max_reply: int) -> None:
+    """An error reply, then the stream is closed (what follows the refused frame on it cannot be trusted)."""
+    level = logging.DEBUG if exc.code in QUIET_CODES else logging.WARNING
+    log.log(level, "%s: rejected input from %s: %s", name, remote, exc)
+    try:
+        with trio.fail_after(10):
+            await write_message(stream, error_reply(exc.code, str(exc), getattr(exc, "retry_after", None)), max_reply)
+            await stream.close()
+    except Exception:
+        await _reset(stream)
+
+
 async def _reset(stream: INetStream) -> None:
     try:
         await stream.reset()
     except Exception:
         pass
+
+
+@dataclass
+class _Idle:
+    stream: INetStream
+    since: float
+
+
+class StreamPool:
+    """Streams a request left open, by (local host, peer, protocol), for the next request to the same place. At
+    most ``per_key`` are kept, none longer than ``max_idle`` seconds (under the server's ``IDLE_TIMEOUT``)."""
+
+    def __init__(self, per_key: int = 8, max_idle: float = IDLE_TIMEOUT / 2) -> None:
+        self.per_key = per_key
+        self.max_idle = max_idle
+        self.idle: dict[tuple[str, str, str], list[_Idle]] = {}
+
+    def take(self, key: tuple[str, str, str]) -> INetStream | None:
+        entries = self.idle.get(key)
+        now = trio.current_time()
+        while entries:
+            entry = entries.pop()
+            if now - entry.since < self.max_idle:
+                return entry.stream
+        self.idle.pop(key, None)
+        return None
+
+    def give(self, key: tuple[str, str, str], stream: INetStream) -> bool:
+        entries = self.idle.setdefault(key, [])
+        if len(entries) >= self.per_key:
+            return False
+        entries.append(_Idle(stream, trio.current_time()))
+        return True
+
+
+POOL = StreamPool()
 
 
 async def request(
@@ -162,19 +231,36 @@ async def request(
     max_reply: int,
     timeout: float = 30.0,
     max_containers: int = MAX_CONTAINERS,
+    pool: StreamPool = POOL,
 ) -> dict[str, Any]:
-    """Send one message, return the reply; an error reply raises RemoteError."""
+    """Send one message, return the reply; an error reply raises RemoteError. The stream is kept for the next
+    request to the same peer and protocol; a kept stream the peer has meanwhile closed is replaced by a new one."""
+    key = (str(host.get_id()), str(peer_id), protocol)
     with trio.fail_after(timeout):
-        stream = await host.new_stream(peer_id, [protocol])
-        try:
-            await write_message(stream, message, max_request)
-            reader = FrameReader(stream)
-            reply = await decode(await reader.read_body(max_reply), max_reply, max_containers)
-        except BaseException:
-            await _reset(stream)
-            raise
-        try:
-            await stream.close()
-        except Exception:
-            pass
+        while True:
+            kept = pool.take(key)
+            stream = kept or await host.new_stream(peer_id, [protocol])
+            try:
+                await write_message(stream, message, max_request)
+                reply = await decode(await FrameReader(stream).read_body(max_reply), max_reply, max_containers)
+                break
+            except PeerClosed:
+                await _reset(stream)
+                if kept is None:
+                    raise
+                continue  # the peer had closed the kept stream (idle, restarted): once more on a fresh one
+            except BaseException as exc:
+                await _reset(stream)
+                if kept is not None and isinstance(exc, Exception) and not isinstance(exc, ProtocolError):
+                    continue  # a kept stream that broke meanwhile (its connection closed): once more, fresh
+                raise
+    if reply.get("t") == "error" or not pool.give(key, stream):
+        await _close(stream)  # the server closes after an error reply; and the pool is full
     return raise_if_error(reply)
+
+
+async def _close(stream: INetStream) -> None:
+    try:
+        await stream.close()
+    except Exception:
+        pass

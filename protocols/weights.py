@@ -158,8 +158,18 @@ def get_manifest(manifest_id: bytes | None) -> dict[str, Any]:
     return {"v": WIRE_VERSION, "t": "get_manifest", "id": manifest_id or b""}
 
 
-def get_chunks(hashes: list[bytes]) -> dict[str, Any]:
-    return {"v": WIRE_VERSION, "t": "get_chunks", "hashes": hashes}
+def get_chunks(hashes: list[bytes], manifest_id: bytes | None = None) -> dict[str, Any]:
+    """Ask for chunks; naming the manifest they belong to asks for the peer's have-bitfield in the reply too (so a
+    peer being downloaded from need not also be polled for what it holds)."""
+    out: dict[str, Any] = {"v": WIRE_VERSION, "t": "get_chunks", "hashes": hashes}
+    if manifest_id is not None:
+        out["id"] = manifest_id
+    return out
+
+
+def chunks_request_manifest(m: dict[str, Any]) -> bytes | None:
+    """The manifest id a get_chunks request names (for the bitfield in the reply), if any."""
+    return s.blob(m, "id", HASH_LEN, exact=HASH_LEN) if "id" in m else None
 
 
 def get_have(manifest_id: bytes) -> dict[str, Any]:
@@ -183,8 +193,21 @@ def parse_request(m: dict[str, Any]) -> tuple[str, Any]:
     raise MalformedMessage(f"unknown weights request {kind!r}")
 
 
-def chunks_reply(found: list[tuple[bytes, bytes]], missing: list[bytes]) -> dict[str, Any]:
-    return {"v": WIRE_VERSION, "t": "chunks", "found": [[h, d] for h, d in found], "missing": missing}
+def chunks_reply(found: list[tuple[bytes, bytes]], missing: list[bytes], bits: bytes | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"v": WIRE_VERSION, "t": "chunks", "found": [[h, d] for h, d in found], "missing": missing}
+    if bits is not None:
+        out["bits"] = bits
+    return out
+
+
+def parse_reply_bits(m: dict[str, Any], n_chunks: int) -> bytes | None:
+    """The have-bitfield a chunks reply carries (None if it carries none)."""
+    if "bits" not in m:
+        return None
+    bits = s.blob(m, "bits", MAX_MANIFEST_BODY // HASH_LEN // 8 + 1)
+    if len(bits) != (n_chunks + 7) // 8:
+        raise s.SchemaError("bitfield length does not match the manifest")
+    return bits
 
 
 def parse_chunks_reply(

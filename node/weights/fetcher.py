@@ -34,6 +34,7 @@ from protocols.errors import RemoteError
 log = logging.getLogger(__name__)
 
 STALL_GRACE = 1.0  # seconds without a chunk arriving after which the origin serves chunks others only claim
+ORIGIN_DECLINE_WAIT = 1.0  # seconds before asking the origin again for a chunk it declined (super-seeding)
 
 
 @dataclass
@@ -62,6 +63,7 @@ class Download:
         have_interval: float = 0.5,
         request_timeout: float = 20.0,
         min_rate: float = 256 << 10,
+        max_neighbours: int = 6,
     ) -> None:
         self.host = host
         self.store = store
@@ -80,19 +82,24 @@ class Download:
         self.have_interval = have_interval
         self.request_timeout = request_timeout
         self.min_rate = min_rate
+        self.max_neighbours = max_neighbours
+        self._neighbours: list[ID] = []
         self.failed: set[int] = set()  # chunks a request to a non-origin peer failed for: the origin may serve them
         self.dropped: set[ID] = set()  # peers no longer asked in this download (withholding, too slow)
         self.resting: dict[ID, float] = {}  # peer -> when it may be asked again (it said busy / rate limited)
         self._last_arrival = trio.current_time()
+        self.declined: dict[int, float] = {}  # chunk -> when the origin may be asked for it again
         self.chunks = manifest.all_chunks()
         self.index = {h: i for i, h in enumerate(self.chunks)}
         self.missing: set[int] = {self.index[h] for h in store.missing(manifest)}
         self.in_flight: set[int] = set()
         self.holders: dict[ID, set[int]] = {}
+        self.heard: dict[ID, float] = {}  # when each peer's bitfield was last learned
         self.workers: dict[ID, int] = {}
         self.stats = DownloadStats()
         self._order = {i: random.random() for i in range(len(self.chunks))}  # spreads concurrent pulls apart
         self._progress = trio.Event()
+        self._starved = trio.Event()
 
     def fraction_done(self) -> float:
         return 1.0 - len(self.missing) / max(1, len(self.chunks))
@@ -114,12 +121,18 @@ class Download:
         bits = self.holders.get(peer, set())
         candidates = [i for i in self.missing if i in bits and i not in self.in_flight]
         if peer == self.origin:
-            # only what no credible peer can give us, unless nothing has arrived for a while (claims are not chunks)
+            # only what no credible peer can give us, unless nothing has arrived for a while (claims are not chunks);
+            # never what it just declined to send again (it super-seeds: the first copies go to different peers)
+            now = trio.current_time()
+            candidates = [i for i in candidates if self.declined.get(i, 0.0) <= now]
             unique = [i for i in candidates if self.rarity(i) == 0 or i in self.failed]
             stalled = trio.current_time() - self._last_arrival > STALL_GRACE
             candidates = unique or (candidates if stalled or not self.in_flight else [])
         candidates.sort(key=lambda i: (self.rarity(i, exclude=peer), self._order[i]))
-        return candidates[: self.batch]
+        # the origin's uplink is shared by every downloader: ~1 MiB at a time from it, so a reply never waits behind
+        # a long queue (and times out, wasting what the link already carried)
+        limit = self.batch if peer != self.origin else max(1, min(self.batch, (1 << 20) // self.typical))
+        return candidates[:limit]
 
     # -- the download ------------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -131,22 +144,49 @@ class Download:
                 await self._progress.wait()
             nursery.cancel_scope.cancel()
 
+    def neighbours(self) -> list[ID]:
+        """The peers this download works with: at most ``max_neighbours`` of the connected ones (BitTorrent's peer
+        set: polling everyone costs the swarm N squared polls), kept while they are useful, plus the origin."""
+        connected = [p for p in self.peers() if self._usable(p) and p != self.origin]
+        keep = [p for p in self._neighbours if p in connected]
+        spare = [p for p in connected if p not in keep]
+        random.shuffle(spare)
+        self._neighbours = keep + spare[: max(0, self.max_neighbours - len(keep))]
+        out = list(self._neighbours)
+        if self.origin is not None and not self.strikes.is_banned(self.origin):
+            out.append(self.origin)
+        return out
+
     async def _poll_haves(self, nursery: trio.Nursery) -> None:
+        """Ask the neighbours what they hold, every ``have_interval`` (sooner when a worker has run out of chunks it
+        knows where to get), but not those known to hold everything nor those a chunk reply told us about lately."""
         while True:
-            candidates = [p for p in self.peers() if not self.strikes.is_banned(p) and p not in self.dropped]
-            if self.origin is not None and self.origin not in candidates and not self.strikes.is_banned(self.origin):
-                candidates.append(self.origin)
+            now = trio.current_time()
+            stale = [
+                p
+                for p in self.neighbours()
+                if len(self.holders.get(p, ())) < len(self.chunks)
+                and now - self.heard.get(p, -1e9) >= self.have_interval
+            ]
             async with trio.open_nursery() as polls:
-                for peer in candidates:
+                for peer in stale:
                     polls.start_soon(self._poll_one, peer)
             for peer in list(self.holders):
                 while self.workers.get(peer, 0) < self.workers_per_peer and self._usable(peer):
                     self.workers[peer] = self.workers.get(peer, 0) + 1
                     nursery.start_soon(self._worker, peer)
             self._poke()
-            await trio.sleep(self.have_interval)
+            await trio.sleep(self.have_interval / 2)
+            with trio.move_on_after(self.have_interval / 2):
+                await self._starved.wait()
+            self._starved = trio.Event()
+
+    def _learn_bits(self, peer: ID, bits: bytes) -> None:
+        self.holders[peer] = {i for i in range(len(self.chunks)) if bits[i // 8] & (0x80 >> (i % 8))}
+        self.heard[peer] = trio.current_time()
 
     async def _poll_one(self, peer: ID) -> None:
+        self.heard[peer] = trio.current_time()  # asked, answered or not: not again before the interval
         try:
             reply = await request(
                 self.host,
@@ -160,7 +200,7 @@ class Download:
             _mid, bits = w.parse_have(reply, len(self.chunks))
         except Exception:
             return  # not holding this version (yet), or gone
-        self.holders[peer] = {i for i in range(len(self.chunks)) if bits[i // 8] & (0x80 >> (i % 8))}
+        self._learn_bits(peer, bits)
 
     def _usable(self, peer: ID) -> bool:
         return not self.strikes.is_banned(peer) and peer not in self.dropped
@@ -184,6 +224,7 @@ class Download:
                     await trio.sleep(rest)
                 batch = self.pick(peer)
                 if not batch:
+                    self._starved.set()  # nothing known to ask this peer for: learn more sooner
                     with trio.move_on_after(self.have_interval):
                         await self._progress.wait()
                     continue
@@ -201,18 +242,21 @@ class Download:
 
     async def _fetch(self, peer: ID, batch: list[int]) -> bool:
         hashes = [self.chunks[i] for i in batch]
-        deadline = min(self.request_timeout, 3.0 + len(batch) * self.typical / self.min_rate)
+        deadline = self.request_timeout
+        if peer != self.origin:  # the origin is trusted and shared by everyone: only its request timeout applies
+            deadline = min(deadline, 3.0 + len(batch) * self.typical / self.min_rate)
         try:
             reply = await request(
                 self.host,
                 peer,
                 w.PROTOCOL_ID,
-                w.get_chunks(hashes),
+                w.get_chunks(hashes, self.mid),
                 max_request=w.MAX_REQUEST_FRAME,
                 max_reply=w.MAX_REPLY_FRAME,
                 timeout=deadline,
             )
             found, _missing = w.parse_chunks_reply(reply, hashes, self.manifest.chunk_size)
+            bits = w.parse_reply_bits(reply, len(self.chunks))
         except RemoteError as exc:
             if exc.code in ("busy", "rate_limited"):  # its upload limit: ask again later, no blame
                 self.resting[peer] = trio.current_time() + min(exc.retry_after or 1.0, 10.0)
@@ -242,8 +286,13 @@ class Download:
             self._last_arrival = trio.current_time()
             key = str(peer)
             self.stats.bytes_by_peer[key] = self.stats.bytes_by_peer.get(key, 0) + len(data)
+        if bits is not None and peer not in self.dropped:
+            self._learn_bits(peer, bits)  # what it holds now, for free: no need to poll it
         lacking = [self.index[h] for h in hashes if h not in found]
-        if lacking and peer != self.origin:  # the origin throttles on purpose ("ask the others first")
+        if lacking and peer == self.origin:  # it throttles on purpose ("ask the others first"): not now, then
+            until = trio.current_time() + ORIGIN_DECLINE_WAIT
+            self.declined.update((i, until) for i in lacking)
+        if lacking and peer != self.origin:
             key = str(peer)
             self.stats.withheld[key] = self.stats.withheld.get(key, 0) + len(lacking)
             self.failed.update(lacking)

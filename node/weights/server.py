@@ -101,7 +101,9 @@ class WeightServer:
                     found.append((h, data))
                     self.bytes_served += len(data)
                     self.chunks_served += 1
-            return w.chunks_reply(found, missing)
+            named = w.chunks_request_manifest(message)
+            entry = self.store.manifest(named) if named is not None else None
+            return w.chunks_reply(found, missing, self.store.bitfield(entry[1]) if entry else None)
         entry = self.store.manifest(arg)
         if entry is None:
             raise NotFound(f"manifest {arg.hex()[:12]} is not held here")
