@@ -18,6 +18,7 @@ import trio
 
 from node.intake import RolloutIntake
 from node.settings import TrainerSettings
+from protocols.draw import RULE, TokenDraw
 from protocols.rollouts import RolloutGroup, Sample
 from protocols.work import WorkRequest
 from trainer.tasks.reverse import ReverseDigitsTask
@@ -30,8 +31,8 @@ def encode(text: str) -> list[int]:
     return [1] + [10 + CHARS.index(c) for c in text]
 
 
-def score(version, prompts, completions, temperature):
-    return [[-1.0] * len(c) for c in completions]
+def score(version, prompts, completions, temperature, top_p):
+    return [[TokenDraw(-1.0, 0.0, 1.0) for _ in c] for c in completions]
 
 
 async def run(root: Path, durable: bool, seconds: float, submitters: int) -> tuple[float, int, int]:
@@ -80,6 +81,7 @@ async def run(root: Path, durable: bool, seconds: float, submitters: int) -> tup
                     1.0,
                     "none",
                     samples,
+                    RULE,
                 )
                 ack = await intake.submit(g.to_wire(), peer, 0)
                 accepted += bool(ack.accepted)

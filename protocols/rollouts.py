@@ -81,9 +81,12 @@ class RolloutGroup:
     top_p: float
     quant: str
     samples: list[Sample]
+    draw: str | None = None  # the sampling rule the tokens were drawn by (protocols/draw.py RULE); None: unknown
 
     def to_wire(self) -> dict[str, Any]:
+        extra = {} if self.draw is None else {"draw": self.draw}
         return {
+            **extra,
             "v": WIRE_VERSION,
             "t": "rollouts",
             "group_id": self.group_id,
@@ -121,6 +124,7 @@ class RolloutGroup:
             top_p=s.number(m, "top_p", 0.01, 1.0),
             quant=quant,
             samples=samples,
+            draw=s.text(m, "draw", 32) if "draw" in m else None,
         )
 
 

@@ -17,6 +17,7 @@ from node.identity import load_or_create_key
 from node.rpc import request
 from protocols import rollouts, work
 from protocols import weights as weights_proto
+from protocols.draw import RULE as DRAW_RULE
 from protocols.errors import RemoteError
 from protocols.framing import FrameReader, unpack
 from protocols.rollouts import RolloutAck, RolloutGroup, Sample
@@ -136,6 +137,7 @@ async def test_forged_rollouts_are_rejected_and_offenders_banned(trainer_and_cli
             sp.top_p,
             "torch",
             [Sample(f"{gid}/{k}", g.completion_ids, g.logprobs, g.finish_reason) for k, g in enumerate(gens)],
+            DRAW_RULE,
         )
 
     async def send(group: RolloutGroup) -> RolloutAck:
@@ -205,6 +207,7 @@ async def test_forged_prompt_is_rejected(trainer_and_client):
         1.0,
         "q8",
         samples,
+        DRAW_RULE,
     )
     reply = await request(
         client.host,
@@ -336,3 +339,63 @@ async def test_after_300_identities_come_and_go_a_new_sampler_still_joins(tmp_pa
     assert leased >= 290, f"only {leased} of 300 identities got a lease"
     newcomer = await start_sampler(nursery, tmp_path, "late", boot, engine="torch")
     await wait_until(lambda: newcomer.role.rollouts_accepted > 0, 90, what="the late sampler's first accepted group")
+
+
+async def test_a_sampler_that_chooses_its_tokens_is_caught_on_its_first_group(trainer_and_client, tiny_model_dir):
+    """Issue 16: a sampler that replaces half of each group with the right answer and reports the honest logprobs
+    of those tokens (so the logprob check passes). Its tokens are not the ones the lease's seed draws: forged on
+    the first group, banned after max_strikes."""
+    trainer, client = trainer_and_client
+    engine = make_engine("torch", tiny_model_dir)
+    learner, task = trainer.role.learner, trainer.role.task
+    acks = []
+    for _ in range(2):  # two leases of two groups: enough groups to be banned
+        lease = await get_lease(client, trainer)
+        for spec in lease.tasks:
+            sp = lease.sampling
+            gens = engine.generate(
+                [spec.prompt_ids] * lease.group_size,
+                temperature=sp.temperature,
+                top_p=sp.top_p,
+                max_tokens=sp.max_tokens,
+                seed=spec.seed,
+            )
+            answer = learner.codec.tokenizer.encode(task.answer(spec.seed), add_special_tokens=False)
+            injected = [*answer, *learner.codec.eos_ids][: sp.max_tokens]
+            honest_lp = learner.logprobs(0, [spec.prompt_ids], [injected], sp.temperature)[0]  # exact, not forged
+            samples = [
+                Sample(f"inj{spec.seed}/{k}", g.completion_ids, g.logprobs, g.finish_reason) for k, g in enumerate(gens)
+            ]
+            for k in range(0, lease.group_size, 2):  # every other sample: the answer, with its true logprobs
+                samples[k] = Sample(f"inj{spec.seed}/{k}", injected, honest_lp, "stop")
+            group = RolloutGroup(
+                f"inj{spec.seed}",
+                lease.lease_id,
+                spec.task_id,
+                spec.seed,
+                0,
+                str(client.peer_id),
+                spec.prompt_ids,
+                sp.temperature,
+                sp.top_p,
+                "torch",
+                samples,
+                DRAW_RULE,
+            )
+            try:
+                reply = await request(
+                    client.host,
+                    trainer.swarm.peer_id,
+                    rollouts.PROTOCOL_ID,
+                    group.to_wire(),
+                    max_request=rollouts.MAX_FRAME,
+                    max_reply=rollouts.MAX_ACK_FRAME,
+                )
+                acks.append(RolloutAck.from_wire(reply))
+            except RemoteError as exc:
+                assert exc.code == "banned"
+                acks.append(None)
+    first = acks[0]
+    assert first is not None and not first.accepted and "not drawn from the lease's seed" in first.rejected[0][1]
+    assert str(client.peer_id) in trainer.role.intake.strikes.banned
+    assert trainer.role.intake.ledger.groups_accepted == 0

@@ -11,6 +11,7 @@ import trio.testing
 
 from node.intake import RolloutIntake
 from node.settings import TrainerSettings
+from protocols.draw import RULE, TokenDraw
 from protocols.rollouts import RolloutGroup, Sample
 from protocols.work import WorkRequest
 from trainer.tasks.reverse import ReverseDigitsTask
@@ -28,9 +29,9 @@ def decode(ids: list[int]) -> str:
     return "".join(CHARS[i - 10] for i in ids)
 
 
-def score(version, prompts, completions, temperature):
-    """Stands in for the learner: every token has logprob -1 at every kept version."""
-    return [[-1.0] * len(c) for c in completions]
+def score(version, prompts, completions, temperature, top_p):
+    """Stands in for the learner: every token has logprob -1 at every kept version, and any draw picks it."""
+    return [[TokenDraw(-1.0, 0.0, 1.0) for _ in c] for c in completions]
 
 
 def make_intake(tmp_path, **kw) -> RolloutIntake:
@@ -65,6 +66,7 @@ def group_for(intake: RolloutIntake, peer: str, spec, lease, answers: list[str],
         1.0,
         "none",
         samples,
+        RULE,
     ).to_wire()
 
 

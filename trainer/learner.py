@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from protocols.draw import TokenDraw
 from trainer.device import Precision, resolve
 from trainer.evaluate import evaluate
 from trainer.groups import Group
@@ -168,6 +169,12 @@ class Learner:
     ) -> list[list[float]] | None:
         """Per-token logprobs at ``version`` exactly, or None when that version is no longer kept."""
         return self.scorer.logprobs(version, prompts, completions, temperature)
+
+    def score(
+        self, version: int, prompts: list[list[int]], completions: list[list[int]], temperature: float, top_p: float
+    ) -> list[list[TokenDraw]] | None:
+        """Logprobs and seeded-draw intervals at ``version`` (what verification checks), or None if not kept."""
+        return self.scorer.score(version, prompts, completions, temperature, top_p)
 
     def save_model_dir(self, out: Path) -> Path:
         """The current version as a model directory (for publishing): its weights file is hard-linked in."""

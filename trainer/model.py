@@ -165,24 +165,17 @@ def micro_batches(lengths: list[int], token_budget: int) -> Iterator[list[int]]:
         yield batch
 
 
-def token_logprobs(
-    model: PreTrainedModel,
-    prompts: list[list[int]],
-    completions: list[list[int]],
-    temperature: float | list[float] = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logprob of each completion token under ``model`` at ``temperature``: ([B, Lmax], mask [B, Lmax]), on the
-    model's device. One forward pass: call it per micro-batch. Sequences are right-padded; with a causal model,
-    padding after a sequence never changes its logits.
-    """
+def completion_logits(
+    model: PreTrainedModel, prompts: list[list[int]], completions: list[list[int]]
+) -> tuple[torch.Tensor, list[int], list[int], list[int]]:
+    """One forward pass over right-padded prompt+completion rows: the fp32, untempered logits at every completion
+    position [Ntok, V] (the output head applied only there), with each one's (row, slot in the completion, target
+    token). Padding after a sequence never changes a causal model's logits."""
     device = next(model.parameters()).device
-    seqs = [p + c for p, c in zip(prompts, completions, strict=True)]
-    width = max(len(s) for s in seqs)
-    cmax = max(len(c) for c in completions)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    attn = torch.zeros(len(seqs), width, dtype=torch.long)
-    rows, cols, slots, targets, temps = [], [], [], [], []
-    temperatures = temperature if isinstance(temperature, list) else [temperature] * len(seqs)
+    width = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    attn = torch.zeros(len(prompts), width, dtype=torch.long)
+    rows, cols, slots, targets = [], [], [], []
     for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
         ids[i, : len(p) + len(c)] = torch.tensor(p + c)
         attn[i, : len(p) + len(c)] = 1
@@ -190,14 +183,27 @@ def token_logprobs(
         cols += range(len(p) - 1, len(p) - 1 + len(c))  # the position whose logits predict completion token t
         slots += range(len(c))
         targets += c
-        temps += [temperatures[i]] * len(c)
     hidden = model.base_model(input_ids=ids.to(device), attention_mask=attn.to(device)).last_hidden_state
     picked = hidden[torch.tensor(rows, device=device), torch.tensor(cols, device=device)]
-    logits = model.get_output_embeddings()(picked).float() / torch.tensor(temps, device=device)[:, None]
-    lp = torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(targets, device=device)[:, None]).squeeze(-1)
-    out = torch.zeros(len(seqs), cmax, device=device)
-    mask = torch.zeros(len(seqs), cmax, device=device)
+    return model.get_output_embeddings()(picked).float(), rows, slots, targets
+
+
+def token_logprobs(
+    model: PreTrainedModel,
+    prompts: list[list[int]],
+    completions: list[list[int]],
+    temperature: float | list[float] = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprob of each completion token under ``model`` at ``temperature``: ([B, Lmax], mask [B, Lmax]), on the
+    model's device. One forward pass: call it per micro-batch."""
+    logits, rows, slots, targets = completion_logits(model, prompts, completions)
+    device = logits.device
+    temperatures = temperature if isinstance(temperature, list) else [temperature] * len(prompts)
+    temps = torch.tensor([temperatures[r] for r in rows], device=device)
+    lp = torch.log_softmax(logits / temps[:, None], dim=-1).gather(-1, torch.tensor(targets, device=device)[:, None])
+    out = torch.zeros(len(prompts), max(len(c) for c in completions), device=device)
+    mask = torch.zeros_like(out)
     r, s = torch.tensor(rows, device=device), torch.tensor(slots, device=device)
-    out = out.index_put((r, s), lp)
+    out = out.index_put((r, s), lp.squeeze(-1))
     mask[r, s] = 1.0
     return out, mask

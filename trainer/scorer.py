@@ -14,8 +14,10 @@ from pathlib import Path
 
 import torch
 
+from protocols.draw import TokenDraw
 from trainer.device import Precision
-from trainer.model import load_model, load_weights_into, micro_batches, token_logprobs
+from trainer.draws import split_draws, token_draws
+from trainer.model import completion_logits, load_model, load_weights_into, micro_batches
 
 
 class Scorer:
@@ -50,10 +52,11 @@ class Scorer:
                         self._loaded = None
 
     @torch.no_grad()
-    def logprobs(
-        self, version: int, prompts: list[list[int]], completions: list[list[int]], temperature: float
-    ) -> list[list[float]] | None:
-        """Per-token logprobs under ``version``, or None when that version is no longer kept."""
+    def score(
+        self, version: int, prompts: list[list[int]], completions: list[list[int]], temperature: float, top_p: float
+    ) -> list[list[TokenDraw]] | None:
+        """Every completion token's logprob under ``version`` and the interval of the seeded draw that picks it
+        (protocols/draw.py), from one forward pass; None when that version is no longer kept."""
         with self._lock:
             if not self.knows(version):
                 return None
@@ -61,14 +64,23 @@ class Scorer:
                 load_weights_into(self.model, self.path(version))
                 self._loaded = version
                 self.switches += 1
-            out: list[list[float]] = [[] for _ in completions]
+            out: list[list[TokenDraw]] = [[] for _ in completions]
             lengths = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
             for rows in micro_batches(lengths, self.token_budget):
                 with self.precision.autocast():
-                    lp, _ = token_logprobs(
-                        self.model, [prompts[i] for i in rows], [completions[i] for i in rows], temperature
+                    logits, _, _, targets = completion_logits(
+                        self.model, [prompts[i] for i in rows], [completions[i] for i in rows]
                     )
-                lp = lp.cpu()
-                for k, i in enumerate(rows):
-                    out[i] = lp[k, : len(completions[i])].tolist()
+                draws = split_draws(
+                    token_draws(logits, targets, temperature, top_p), [len(completions[i]) for i in rows]
+                )
+                for i, row in zip(rows, draws, strict=True):
+                    out[i] = row
         return out
+
+    def logprobs(
+        self, version: int, prompts: list[list[int]], completions: list[list[int]], temperature: float
+    ) -> list[list[float]] | None:
+        """Per-token logprobs under ``version``, or None when that version is no longer kept."""
+        draws = self.score(version, prompts, completions, temperature, 1.0)
+        return None if draws is None else [[d.logprob for d in row] for row in draws]

@@ -2,6 +2,8 @@
 
 Logprobs are those of the distribution actually sampled from at the given temperature
 (log_softmax(logits / T)), before top-p truncation; the trainer recomputes exactly that.
+Tokens are chosen by the seeded draw rule of protocols/draw.py: sample k of a group with seed s takes, at
+completion position t, the token whose CDF interval holds u(s, k, t), so the trainer can replay every choice.
 """
 
 from __future__ import annotations
@@ -31,7 +33,21 @@ class Engine(Protocol):
         top_p: float,
         max_tokens: int,
         seed: int,
-    ) -> list[Generation]: ...
+    ) -> list[Generation]:
+        """One group: prompt i is sample i, drawn with (``seed``, i)."""
+        ...
+
+    def generate_rows(
+        self,
+        prompts: list[list[int]],
+        rows: list[tuple[int, int]],
+        *,
+        temperature: float,
+        top_p: float,
+        max_tokens: int,
+    ) -> list[Generation]:
+        """Any number of groups in one batch: prompt i is drawn with ``rows[i]`` = (group seed, sample index)."""
+        ...
 
     def swap(self, model_dir: Path, version: int) -> None:
         """Replace the live weights with those in ``model_dir`` (same architecture), tagged ``version``."""

@@ -1,7 +1,10 @@
-"""MLX sampler engine: mlx-lm model, optional int8/int4 quantization, continuous batching via BatchGenerator.
+"""MLX sampler engine: mlx-lm model, optional int8/int4 quantization, batched decoding with seeded draws.
 
-``BatchGenerator`` is used directly because ``batch_generate`` drops the stop token and its logprob.
-mlx-lm reports logprobs before temperature; they are re-tempered here per sampled token.
+Tokens are chosen by the seeded draw rule of protocols/draw.py, so the trainer can replay every choice. That
+needs each row's (group seed, sample index, position) at every step, which mlx-lm's ``BatchGenerator`` hides
+(it reorders and drops rows as sequences finish): so this engine runs its own decode loop on the mlx-lm model
+and a ``BatchKVCache`` (left-padded prefill, finished rows filtered out of the cache). The stop token is kept
+with its logprob; logprobs are log_softmax(logits / T), before top-p.
 MLX streams belong to the thread that made them, so all of this engine's MLX work runs on one
 dedicated thread of its own, whichever thread (event loop or trio worker) calls it.
 """
@@ -12,23 +15,34 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten
-from mlx_lm.generate import BatchGenerator
-from mlx_lm.sample_utils import make_sampler
+from mlx_lm.models.cache import BatchKVCache
 from mlx_lm.utils import load_model
 
 from node.engines.base import Generation
 from node.engines.worker import ComputeThread
 from node.errors import UserError
+from protocols.draw import draw_uniforms
 from trainer.model_dir import inspect_model_dir
 
 QUANT_NAMES = {None: "none", 8: "q8", 4: "q4"}
+PREFILL_STEP = 2048  # prompt tokens per forward pass while prefilling
+BATCH_SIZE = 64  # sequences decoded together (a GRPO group is one batch)
 
 
 class MlxEngine:
     name = "mlx"
 
-    def __init__(self, model_dir: Path, bits: int | None = 8, group_size: int = 64, version: int = 0) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        bits: int | None = 8,
+        group_size: int = 64,
+        version: int = 0,
+        batch_size: int = BATCH_SIZE,
+    ) -> None:
+        self.batch_size = batch_size
         if bits not in QUANT_NAMES:
             raise UserError(f"unsupported quantization bits {bits!r}: use 8, 4 or none")
         info = inspect_model_dir(model_dir)
@@ -37,6 +51,9 @@ class MlxEngine:
 
     def _init(self, info, model_dir: Path, bits: int | None, group_size: int, version: int) -> None:
         self._stream = mx.new_stream(mx.default_device())  # one stream, owned by this engine's thread
+        # draws in float64 where the device has it (CPU): closest to the trainer's float64 replay
+        on_cpu = self._stream.device.type == mx.DeviceType.cpu
+        self._draw_dtype, self._np_draw_dtype = (mx.float64, np.float64) if on_cpu else (mx.float32, np.float32)
         self.bits = bits
         self.group_size = group_size
         self.quant = QUANT_NAMES[bits]
@@ -85,41 +102,106 @@ class MlxEngine:
     def generate(
         self, prompts: list[list[int]], *, temperature: float, top_p: float, max_tokens: int, seed: int
     ) -> list[Generation]:
-        return self._thread.call(self._generate, prompts, temperature, top_p, max_tokens, seed)
+        rows = [(seed, k) for k in range(len(prompts))]
+        return self.generate_rows(prompts, rows, temperature=temperature, top_p=top_p, max_tokens=max_tokens)
+
+    def generate_rows(
+        self,
+        prompts: list[list[int]],
+        rows: list[tuple[int, int]],
+        *,
+        temperature: float,
+        top_p: float,
+        max_tokens: int,
+    ) -> list[Generation]:
+        """Like ``generate``, each prompt drawn with its own (group seed, sample index): many groups, one call."""
+        return self._thread.call(self._generate, prompts, rows, temperature, top_p, max_tokens)
 
     def _generate(
-        self, prompts: list[list[int]], temperature: float, top_p: float, max_tokens: int, seed: int
+        self, prompts: list[list[int]], rows: list[tuple[int, int]], temperature: float, top_p: float, max_tokens: int
     ) -> list[Generation]:
-        mx.random.seed(seed % (1 << 32))
-        gen = BatchGenerator(
-            self.model,
-            max_tokens=max_tokens,
-            stop_tokens=[[t] for t in self.eos_ids],
-            stream=self._stream,
-            sampler=make_sampler(temp=temperature, top_p=top_p if top_p < 1.0 else 0.0),
-        )
-        try:
-            uids = gen.insert(prompts, [max_tokens] * len(prompts))
-            tokens: dict[int, list[int]] = {u: [] for u in uids}
-            logps: dict[int, list[mx.array]] = {u: [] for u in uids}
-            finish: dict[int, str] = {}
-            while responses := gen.next_generated():
-                for r in responses:
-                    tokens[r.uid].append(r.token)
-                    lp = r.logprobs
-                    if temperature != 1.0:
-                        scaled = lp / temperature
-                        lp = scaled - mx.logsumexp(scaled)
-                    logps[r.uid].append(lp[r.token])
-                    if r.finish_reason is not None:
-                        finish[r.uid] = r.finish_reason
-        finally:
-            gen.close()
-        flat = [x for u in uids for x in logps[u]]
-        values = mx.stack(flat).astype(mx.float32).tolist() if flat else []
-        out, i = [], 0
-        for u in uids:
-            n = len(tokens[u])
-            out.append(Generation(tokens[u], values[i : i + n], finish.get(u, "length")))
-            i += n
+        out: list[Generation] = []
+        with mx.stream(self._stream):
+            for i in range(0, len(prompts), self.batch_size):
+                j = i + self.batch_size
+                out += self._decode(prompts[i:j], rows[i:j], temperature, top_p, max_tokens)
         return out
+
+    def _decode(
+        self, prompts: list[list[int]], rows: list[tuple[int, int]], temperature: float, top_p: float, max_tokens: int
+    ) -> list[Generation]:
+        """One batch: left-padded prefill of each distinct prompt once (a GRPO group shares one), its KV cache
+        rows repeated for every sample, then one token per step for every unfinished row, finished rows dropped
+        from the cache. Every row of a step is at the same completion position t."""
+        distinct = list(dict.fromkeys(tuple(p) for p in prompts))
+        where = {p: i for i, p in enumerate(distinct)}
+        pads = [max(len(p) for p in distinct) - len(p) for p in distinct]
+        cache = [BatchKVCache(pads) for _ in self.model.layers]
+        ids = mx.array([[0] * n + list(p) for p, n in zip(distinct, pads, strict=True)])
+        for k in range(0, ids.shape[1] - 1, PREFILL_STEP):
+            self.model(ids[:, k : min(k + PREFILL_STEP, ids.shape[1] - 1)], cache=cache)
+            mx.eval([c.state for c in cache])
+        logits = self.model(ids[:, -1:], cache=cache)[:, -1, :]
+        expand = mx.array([where[tuple(p)] for p in prompts])
+        for c in cache:
+            c.filter(expand)  # repeats each prompt's rows for its samples
+        logits = logits[expand]
+        seeds = np.array([s for s, _ in rows], dtype=np.uint64)
+        ks = np.array([k for _, k in rows], dtype=np.uint64)
+        live = list(range(len(prompts)))
+        tokens: list[list[int]] = [[] for _ in prompts]
+        logps: list[list[float]] = [[] for _ in prompts]
+        finish = ["length"] * len(prompts)
+        for t in range(max_tokens):
+            u = mx.array(draw_uniforms(seeds[live], ks[live], t).astype(self._np_draw_dtype))
+            tok, lp = mlx_draw(logits, u, temperature, top_p, self._draw_dtype)
+            mx.eval(tok, lp)
+            keep = []
+            for j, (x, y) in enumerate(zip(tok.tolist(), lp.tolist(), strict=True)):
+                r = live[j]
+                tokens[r].append(x)
+                logps[r].append(y)
+                if x in self.eos_ids:
+                    finish[r] = "stop"
+                else:
+                    keep.append(j)
+            if not keep or t == max_tokens - 1:
+                break
+            if len(keep) < len(live):
+                idx = mx.array(keep)
+                for c in cache:
+                    c.filter(idx)
+                tok = tok[idx]
+                live = [live[j] for j in keep]
+            logits = self.model(tok[:, None], cache=cache)[:, -1, :]
+        return [Generation(t, lp, f) for t, lp, f in zip(tokens, logps, finish, strict=True)]
+
+
+def _nucleus(p: mx.array, top_p: float) -> mx.array:
+    """Kept tokens [B, V]: the smallest highest-p set with mass >= top_p; among tokens tied at the boundary
+    probability the lowest ids are kept (protocols/draw.py), computed without a stable sort."""
+    vocab = p.shape[-1]
+    ranked = -mx.sort(-p, axis=-1)
+    n = mx.minimum((mx.cumsum(ranked, axis=-1) < top_p).sum(axis=-1) + 1, vocab)
+    threshold = mx.take_along_axis(ranked, (n - 1)[:, None], axis=-1)
+    above = p > threshold
+    tied = p == threshold
+    ties_kept = (n - above.sum(axis=-1))[:, None]
+    return above | (tied & (mx.cumsum(tied.astype(mx.int32), axis=-1) <= ties_kept))
+
+
+def mlx_draw(
+    logits: mx.array, u: mx.array, temperature: float, top_p: float, dtype: mx.Dtype = mx.float32
+) -> tuple[mx.array, mx.array]:
+    """The draw rule of protocols/draw.py on device: logits [B, V], u [B] -> (token ids [B], tempered logprobs
+    [B]). ``dtype`` float64 where the device has it (CPU), float32 otherwise (Metal)."""
+    x = logits.astype(dtype) / temperature
+    logp = x - mx.logsumexp(x, axis=-1, keepdims=True)
+    p = mx.exp(logp)
+    q = mx.where(_nucleus(p, top_p), p, 0.0) if top_p < 1.0 else p
+    c = mx.cumsum(q, axis=-1)
+    c = c / c[:, -1:]
+    vocab = p.shape[-1]
+    last = vocab - 1 - mx.argmax((q > 0)[:, ::-1], axis=-1)
+    tokens = mx.minimum((c <= u[:, None]).sum(axis=-1), last)
+    return tokens, mx.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0].astype(mx.float32)

@@ -1,25 +1,35 @@
-"""Torch fallback engine for machines without MLX: transformers generate, same outputs as the MLX engine."""
+"""Torch fallback engine for machines without MLX: a manual KV-cache decode loop with seeded draws.
+
+Tokens are chosen by the seeded draw rule of protocols/draw.py (via trainer/draws.py, the same float64 code the
+trainer replays), so every choice can be checked. ``transformers.generate`` draws from torch's RNG instead,
+hence the explicit loop: left-padded prefill, one token per step, finished rows dropped from the cache.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DynamicCache
 
 from node.engines.base import Generation
 from node.errors import UserError
+from protocols.draw import draw_uniforms
+from trainer.draws import draw_tokens
 from trainer.model_dir import inspect_model_dir
+
+BATCH_SIZE = 64  # sequences decoded together (a GRPO group is one batch)
 
 
 class TorchEngine:
     name = "torch"
     quant = "torch"
 
-    def __init__(self, model_dir: Path, version: int = 0) -> None:
+    def __init__(self, model_dir: Path, version: int = 0, batch_size: int = BATCH_SIZE) -> None:
         info = inspect_model_dir(model_dir)
         self.eos_ids = info.eos_ids
-        self.pad_id = info.config.get("pad_token_id") or 0
+        self.batch_size = batch_size
         try:
             self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         except Exception as exc:
@@ -41,40 +51,79 @@ class TorchEngine:
             self.model.tie_weights()
         self.version = version
 
-    @torch.no_grad()
     def generate(
         self, prompts: list[list[int]], *, temperature: float, top_p: float, max_tokens: int, seed: int
     ) -> list[Generation]:
-        torch.manual_seed(seed)
-        out = []
-        # Group identical prompts (a GRPO group) into one batch: no padding needed.
-        by_prompt: dict[tuple[int, ...], list[int]] = {}
-        for i, p in enumerate(prompts):
-            by_prompt.setdefault(tuple(p), []).append(i)
-        results: dict[int, Generation] = {}
-        for prompt, rows in by_prompt.items():
-            ids = torch.tensor([list(prompt)] * len(rows))
-            res = self.model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=True,
-                temperature=temperature,
-                top_p=top_p,
-                top_k=0,
-                max_new_tokens=max_tokens,
-                eos_token_id=list(self.eos_ids),
-                pad_token_id=self.pad_id,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-            new = res.sequences[:, ids.shape[1] :]
-            logits = torch.stack(res.logits, dim=1).float() / temperature
-            lps = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
-            for j, row in enumerate(rows):
-                toks = new[j].tolist()
-                end = next((k for k, t in enumerate(toks) if t in self.eos_ids), None)
-                n = len(toks) if end is None else end + 1
-                reason = "stop" if end is not None else "length"
-                results[row] = Generation(toks[:n], lps[j, :n].tolist(), reason)
-        out = [results[i] for i in range(len(prompts))]
+        rows = [(seed, k) for k in range(len(prompts))]
+        return self.generate_rows(prompts, rows, temperature=temperature, top_p=top_p, max_tokens=max_tokens)
+
+    def generate_rows(
+        self,
+        prompts: list[list[int]],
+        rows: list[tuple[int, int]],
+        *,
+        temperature: float,
+        top_p: float,
+        max_tokens: int,
+    ) -> list[Generation]:
+        """Like ``generate``, each prompt drawn with its own (group seed, sample index): many groups, one call."""
+        out: list[Generation] = []
+        for i in range(0, len(prompts), self.batch_size):
+            j = i + self.batch_size
+            out += self._decode(prompts[i:j], rows[i:j], temperature, top_p, max_tokens)
         return out
+
+    @torch.no_grad()
+    def _decode(
+        self, prompts: list[list[int]], rows: list[tuple[int, int]], temperature: float, top_p: float, max_tokens: int
+    ) -> list[Generation]:
+        """One batch: left-padded prefill of each distinct prompt once (a GRPO group shares one), its KV cache
+        rows repeated for every sample, then one token per step for every unfinished row, finished rows dropped
+        from the cache."""
+        distinct = list(dict.fromkeys(tuple(p) for p in prompts))
+        where = {p: i for i, p in enumerate(distinct)}
+        width = max(len(p) for p in distinct)
+        ids = torch.zeros(len(distinct), width, dtype=torch.long)
+        attn = torch.zeros(len(distinct), width, dtype=torch.long)
+        for i, p in enumerate(distinct):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            attn[i, width - len(p) :] = 1
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        logits = self._forward(ids, attn, pos, cache)
+        expand = torch.tensor([where[tuple(p)] for p in prompts])
+        cache.batch_select_indices(expand)  # repeats each prompt's rows for its samples
+        logits, attn, pos = logits[expand], attn[expand], pos[expand]
+        seeds = np.array([s for s, _ in rows], dtype=np.uint64)
+        ks = np.array([k for _, k in rows], dtype=np.uint64)
+        live = list(range(len(prompts)))
+        tokens: list[list[int]] = [[] for _ in prompts]
+        logps: list[list[float]] = [[] for _ in prompts]
+        finish = ["length"] * len(prompts)
+        for t in range(max_tokens):
+            u = torch.from_numpy(draw_uniforms(seeds[live], ks[live], t))
+            tok, lp = draw_tokens(logits, u, temperature, top_p)
+            keep = []
+            for j, (x, y) in enumerate(zip(tok.tolist(), lp.tolist(), strict=True)):
+                r = live[j]
+                tokens[r].append(x)
+                logps[r].append(y)
+                if x in self.eos_ids:
+                    finish[r] = "stop"
+                else:
+                    keep.append(j)
+            if not keep or t == max_tokens - 1:
+                break
+            if len(keep) < len(live):
+                idx = torch.tensor(keep)
+                cache.batch_select_indices(idx)
+                tok, attn, pos = tok[idx], attn[idx], pos[idx]
+                live = [live[j] for j in keep]
+            attn = torch.cat([attn, torch.ones(len(live), 1, dtype=torch.long)], dim=1)
+            pos = pos[:, -1:] + 1
+            logits = self._forward(tok[:, None], attn, pos, cache)
+        return [Generation(t, lp, f) for t, lp, f in zip(tokens, logps, finish, strict=True)]
+
+    def _forward(self, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, cache=cache, use_cache=True)
+        return out.logits[:, -1, :].float()

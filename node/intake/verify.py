@@ -5,8 +5,10 @@ peer's, and holds this seed; the prompt equals the one the trainer builds from (
 and sampling parameters match the lease; the version is not too stale. Then rewards are recomputed (a claimed
 reward that differs is forgery) and the claimed logprobs are compared with the trainer's recomputation at the
 claimed version (``score``, given by the trainer role: the learner's), within a tolerance that depends on
-the sampler's quantization. ``Forged`` means the peer lied (the intake strikes it); ``Rejected`` is refusal
-without blame.
+the sampler's quantization; and every token must be the one the lease's seed draws under the seeded-draw rule
+(protocols/draw.py), up to near-boundary flips that the sampler's quantization noise explains
+(node/intake/draws.py): a sampler cannot choose its tokens, only sample them. ``Forged`` means the peer lied (the
+intake strikes it); ``Rejected`` is refusal without blame.
 """
 
 from __future__ import annotations
@@ -16,14 +18,18 @@ from collections.abc import Callable
 
 import trio
 
+from node.intake.draws import DEFAULT_DRAW_LIMITS, DrawLimits, check_group_draws
 from node.intake.leases import LeaseBook
+from protocols.draw import RULE as DRAW_RULE
+from protocols.draw import TokenDraw
 from protocols.rollouts import RolloutGroup
 from trainer.groups import Group
 from trainer.tasks import Task
 
-# score(version, prompts, completions, temperature) -> per-token logprobs at that version, or None when the
-# version is no longer kept. Blocking (a forward pass): called from a worker thread.
-ScoreFn = Callable[[int, list[list[int]], list[list[int]], float], list[list[float]] | None]
+# score(version, prompts, completions, temperature, top_p) -> for every completion token, its logprob at that
+# version and the interval of the seeded draw that picks it (protocols/draw.py), or None when the version is no
+# longer kept. Blocking (a forward pass): called from a worker thread.
+ScoreFn = Callable[[int, list[list[int]], list[list[int]], float, float], list[list[TokenDraw]] | None]
 
 # (mean |diff|, max |diff|) allowed between claimed and recomputed per-token logprobs, by sampler quantization.
 # Measured against fp32 versions (tiny model): fp32 MLX vs torch ~5e-7, int8 ~5e-3 max. Against bf16 versions
@@ -67,6 +73,7 @@ class RolloutVerifier:
         eos_ids: tuple[int, ...],
         max_staleness: int,
         tolerances: dict[str, tuple[float, float]] | None = None,
+        draw_limits: dict[str, DrawLimits] | None = None,
     ) -> None:
         self.task = task
         self.leases = leases
@@ -75,9 +82,12 @@ class RolloutVerifier:
         self.eos_ids = eos_ids
         self.max_staleness = max_staleness
         self.tolerances = tolerances or DEFAULT_TOLERANCES
+        self.draw_limits = draw_limits or DEFAULT_DRAW_LIMITS
         self.scoring_seconds = 0.0  # time spent recomputing logprobs (the trainer's cost of verification)
 
     def check_lease(self, g: RolloutGroup, remote: str, current_version: int) -> None:
+        if g.draw != DRAW_RULE:  # an older sampler: not a liar, but its tokens cannot be checked
+            raise Rejected(f"tokens must be drawn by {DRAW_RULE} (got {g.draw!r}): upgrade this sampler")
         if g.sampler != remote:
             raise Forged(f"group claims sampler {g.sampler} but arrived from {remote}")
         rec = self.leases.get(g.lease_id)
@@ -109,12 +119,14 @@ class RolloutVerifier:
                 raise Forged("a completion continues after a stop token")
 
     def check_logprobs(self, g: RolloutGroup) -> list[list[float]]:
-        """The trainer's own logprobs at the rollout's version, if the claimed ones agree with them."""
+        """The trainer's own logprobs at the rollout's version, if the claimed ones agree with them and every token
+        is the one the lease's seed draws (within the sampler's quantization noise)."""
         prompts = [g.prompt_ids] * len(g.samples)
         comps = [s.completion_ids for s in g.samples]
-        ours = self.score(g.version, prompts, comps, g.temperature)
-        if ours is None:
+        draws = self.score(g.version, prompts, comps, g.temperature, g.top_p)
+        if draws is None:
             raise Rejected(f"version {g.version} is no longer kept for verification")
+        ours = [[d.logprob for d in row] for row in draws]
         mean_tol, max_tol = self.tolerances.get(g.quant, self.tolerances["q4"])
         diffs = [
             abs(a - b) for s, mine in zip(g.samples, ours, strict=True) for a, b in zip(s.logprobs, mine, strict=True)
@@ -125,6 +137,9 @@ class RolloutVerifier:
             raise Forged(
                 f"claimed logprobs deviate from the trainer's (mean {mean:.3g}, max {worst:.3g}, quant {g.quant})"
             )
+        checked = check_group_draws(draws, g.seed, g.quant, g.top_p, self.draw_limits)
+        if not checked.ok:
+            raise Forged(f"tokens were not drawn from the lease's seed: {checked.reason()}")
         return ours
 
     async def verify(self, g: RolloutGroup, remote: str, current_version: int) -> Group:

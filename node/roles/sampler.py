@@ -22,6 +22,7 @@ from node.weights.server import WeightServer
 from node.weights.store import ChunkStore
 from node.weights.sync import WeightSync
 from protocols import rollouts, work
+from protocols.draw import RULE as DRAW_RULE
 from protocols.errors import ProtocolError, RemoteError
 from protocols.rollouts import RolloutAck, RolloutGroup, Sample
 from protocols.work import SamplerReport, TaskSpec, WorkLease, WorkRequest
@@ -235,6 +236,7 @@ class SamplerRole:
             samples=[
                 Sample(f"{group_id}/{i}", g.completion_ids, g.logprobs, g.finish_reason) for i, g in enumerate(gens)
             ],
+            draw=DRAW_RULE,
         )
 
     async def submit(self, swarm: Swarm, group: RolloutGroup) -> RolloutAck | None:

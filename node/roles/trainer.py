@@ -76,7 +76,7 @@ class TrainerRole:
             codec.encode_prompt,
             codec.completion_text,
             codec.eos_ids,
-            self.learner.logprobs,
+            self.learner.score,
             config.data_dir / "journal",
             s,
         )
