@@ -4,6 +4,30 @@ A policy version is a checkpoint directory cut into content-addressed chunks (bl
 The manifest lists every file's chunks in order and the weight file's tensor layout; the trainer signs
 its msgpack body with its libp2p key. Bulk bytes never ride on gossip (gossipsub drops >1 MiB silently):
 gossip carries only announcements and have-bitfields, chunks move over the direct request protocol.
+
+Manifest body, format 2 (format 1, without ``format``, tensor hashes or ``patch``, is still read):
+
+- ``tensors[i].hash``: blake3 of tensor i's bytes in the version's ``model.safetensors`` (every tensor).
+- ``patch`` (optional): the version as a sparse patch of its parent's weights file. A version reaches a node by
+  one of two *routes*: ``full`` (every chunk of ``files``; only when ``files`` holds ``model.safetensors``: an
+  *anchor*) or ``patch`` (the parent's weights file, rebuilt bit-exactly, plus ``patch.chunks`` and the other
+  files' chunks). Its fields:
+    ``parent_id``   the parent's manifest id (``parent`` is its version); the parent's weights file has the same
+                    layout (tensor names, dtypes, shapes, offsets) and the same header bytes
+    ``anchor``      the newest anchor version at or below this one
+    ``codec``       how each stream is compressed: ``zlib`` (RFC 1950) or ``lzma`` (.xz container)
+    ``size``        bytes of the patch blob, cut into ``chunks`` of ``chunk_size`` (content-addressed as any chunk)
+    ``weights_size`` size of the rebuilt ``model.safetensors``; ``header_hash`` blake3 of its first
+                    ``tensors[0].offset`` bytes (the safetensors header; the tensors tile the rest exactly)
+    ``deltas``      one ``[tensor, changed, index_mode, index_len, value_len]`` per tensor whose bits changed,
+                    in increasing tensor order; the blob is, for each in turn, its compressed index stream
+                    (``index_len`` bytes) then its compressed value stream (``value_len`` bytes):
+      index stream  ``index_mode`` 0: the changed element positions (flat, ascending) as LEB128 varints of the gaps
+                    (first position, then each position minus the previous minus one); 1: a bitmap, one bit per
+                    element, least significant bit first (when that is shorter)
+      value stream  per changed position, LEB128 of zigzag(d), d = new bits - old bits of the element taken as
+                    unsigned integers of the element's width modulo 2^width, as a signed integer of that width
+  A rebuilt weights file is used only if its header and every tensor match their blake3 hashes.
 """
 
 from __future__ import annotations
@@ -28,8 +52,14 @@ MAX_FILES = 64
 MAX_TENSORS = 1 << 16
 ENCODINGS = ("native", "int8", "fp32")  # "fp32": what "native" was called before bf16 versions
 GOSSIP_MAX = 1 << 16
-MANIFEST_CONTAINERS = 2 * (MAX_FILES + MAX_TENSORS) + 16  # a map and a list per file and per tensor
+# a map and a list per file and per tensor, and a list per patched tensor
+MANIFEST_CONTAINERS = 2 * MAX_FILES + 3 * MAX_TENSORS + 32
 SIGN_DOMAIN = b"swarmrl-manifest-v1:"
+MANIFEST_FORMAT = 2
+WEIGHTS_FILE = "model.safetensors"
+PATCH_CODECS = ("zlib", "lzma")
+INDEX_GAPS, INDEX_BITMAP = 0, 1
+ELEMENT_WIDTHS = (1, 2, 4, 8)  # bytes per element of a tensor a patch may touch
 
 
 @dataclass(frozen=True)
@@ -46,6 +76,37 @@ class TensorEntry:
     shape: list[int]
     offset: int  # byte offset of the tensor's data inside its file
     nbytes: int
+    hash: bytes = b""  # blake3 of the tensor's bytes (format 2; empty in format 1)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class TensorDelta:
+    """One tensor's part of a patch: ``changed`` elements, their index stream (``index_mode``) and value stream."""
+
+    tensor: int  # index into Manifest.tensors
+    changed: int
+    index_mode: int  # INDEX_GAPS or INDEX_BITMAP
+    index_len: int  # compressed bytes
+    value_len: int
+
+
+@dataclass(frozen=True)
+class PatchInfo:
+    parent_id: bytes
+    anchor: int
+    codec: str
+    size: int
+    chunks: list[bytes]
+    weights_size: int
+    header_hash: bytes
+    deltas: list[TensorDelta]
 
 
 @dataclass(frozen=True)
@@ -57,34 +118,81 @@ class Manifest:
     chunk_size: int
     files: list[FileEntry]
     tensors: list[TensorEntry]
+    patch: PatchInfo | None = None  # the version as a sparse patch of its parent (format 2)
+
+    @property
+    def has_full(self) -> bool:
+        """Whether the full route exists: the weights file's own chunks are listed (an anchor, or any version
+        without a patch)."""
+        return self.patch is None or any(f.path == WEIGHTS_FILE for f in self.files)
 
     @property
     def total_size(self) -> int:
-        return sum(f.size for f in self.files)
+        """Bytes of the whole version (its model dir), whichever route it travels by."""
+        size = sum(f.size for f in self.files)
+        return size if self.has_full or self.patch is None else size + self.patch.weights_size
+
+    @property
+    def update_size(self) -> int:
+        """Bytes a node holding the parent fetches for this version (the patch, or everything)."""
+        return self.patch.size if self.patch is not None else self.total_size
+
+    def full_chunks(self) -> list[bytes]:
+        """The full route's chunks: every file, in first-appearance order (empty when there is no full route)."""
+        return list(dict.fromkeys(h for f in self.files for h in f.chunks)) if self.has_full else []
+
+    def patch_chunks(self) -> list[bytes]:
+        """The patch route's chunks: the patch blob and every file but the weights (empty without a patch)."""
+        if self.patch is None:
+            return []
+        others = [h for f in self.files if f.path != WEIGHTS_FILE for h in f.chunks]
+        return list(dict.fromkeys([*others, *self.patch.chunks]))
 
     def all_chunks(self) -> list[bytes]:
-        """Every distinct chunk hash, in first-appearance order."""
-        return list(dict.fromkeys(h for f in self.files for h in f.chunks))
+        """Every distinct chunk hash of every route, in first-appearance order (the have-bitfield's domain)."""
+        patch = self.patch.chunks if self.patch is not None else []
+        return list(dict.fromkeys([*(h for f in self.files for h in f.chunks), *patch]))
 
     def body(self) -> bytes:
-        return msgpack.packb(
-            {
-                "v": WIRE_VERSION,
-                "t": "manifest_body",
-                "swarm": self.swarm,
-                "version": self.version,
-                "parent": self.parent,
-                "encoding": self.encoding,
-                "chunk_size": self.chunk_size,
-                "total_size": self.total_size,
-                "files": [{"path": f.path, "size": f.size, "chunks": f.chunks} for f in self.files],
-                "tensors": [
-                    {"name": t.name, "dtype": t.dtype, "shape": t.shape, "offset": t.offset, "nbytes": t.nbytes}
-                    for t in self.tensors
-                ],
-            },
-            use_bin_type=True,
-        )
+        tensors = []
+        for t in self.tensors:
+            entry: dict[str, Any] = {
+                "name": t.name,
+                "dtype": t.dtype,
+                "shape": t.shape,
+                "offset": t.offset,
+                "nbytes": t.nbytes,
+            }
+            if t.hash:
+                entry["hash"] = t.hash
+            tensors.append(entry)
+        body: dict[str, Any] = {
+            "v": WIRE_VERSION,
+            "t": "manifest_body",
+            "swarm": self.swarm,
+            "version": self.version,
+            "parent": self.parent,
+            "encoding": self.encoding,
+            "chunk_size": self.chunk_size,
+            "total_size": self.total_size,
+            "files": [{"path": f.path, "size": f.size, "chunks": f.chunks} for f in self.files],
+            "tensors": tensors,
+        }
+        if self.patch is not None or any(t.hash for t in self.tensors):
+            body["format"] = MANIFEST_FORMAT
+        if self.patch is not None:
+            p = self.patch
+            body["patch"] = {
+                "parent_id": p.parent_id,
+                "anchor": p.anchor,
+                "codec": p.codec,
+                "size": p.size,
+                "chunks": p.chunks,
+                "weights_size": p.weights_size,
+                "header_hash": p.header_hash,
+                "deltas": [[d.tensor, d.changed, d.index_mode, d.index_len, d.value_len] for d in p.deltas],
+            }
+        return msgpack.packb(body, use_bin_type=True)
 
     @classmethod
     def from_body(cls, body: bytes) -> Manifest:
@@ -108,6 +216,7 @@ class Manifest:
             files.append(FileEntry(path, size, chunks))
         if len({f.path for f in files}) != len(files):
             raise s.SchemaError("file names repeat in manifest")
+        fmt = s.integer(m, "format", 1, MANIFEST_FORMAT) if "format" in m else 1
         tensors = []
         for t in s.items(m, "tensors", MAX_TENSORS):
             t = t if isinstance(t, dict) else {}
@@ -118,23 +227,104 @@ class Manifest:
                     s.int_list(t, "shape", 8, 0, 1 << 40),
                     s.integer(t, "offset", 0, 1 << 42),
                     s.integer(t, "nbytes", 0, 1 << 42),
+                    s.blob(t, "hash", HASH_LEN, exact=HASH_LEN) if fmt >= 2 and "hash" in t else b"",
                 )
             )
         encoding = s.text(m, "encoding", 16)
         if encoding not in ENCODINGS:
             raise s.SchemaError(f"unknown weight encoding {encoding!r}")
+        version = s.integer(m, "version", 0, 1 << 40)
+        parent = s.integer(m, "parent", -1, 1 << 40)
+        patch = None
+        if fmt >= 2 and "patch" in m:
+            patch = _parse_patch(s.mapping(m, "patch"), version, parent, encoding, chunk_size, files, tensors)
         manifest = cls(
             swarm=s.text(m, "swarm", 64),
-            version=s.integer(m, "version", 0, 1 << 40),
-            parent=s.integer(m, "parent", -1, 1 << 40),
+            version=version,
+            parent=parent,
             encoding=encoding,
             chunk_size=chunk_size,
             files=files,
             tensors=tensors,
+            patch=patch,
         )
         if s.integer(m, "total_size", 0, 1 << 44) != manifest.total_size:
             raise s.SchemaError("total_size does not match the files")
         return manifest
+
+
+def _parse_patch(
+    p: dict[str, Any],
+    version: int,
+    parent: int,
+    encoding: str,
+    chunk_size: int,
+    files: list[FileEntry],
+    tensors: list[TensorEntry],
+) -> PatchInfo:
+    """A manifest's patch section, checked against the manifest it belongs to."""
+    if encoding != "native":
+        raise s.SchemaError("only native weights travel as patches")
+    if not 0 <= parent < version:
+        raise s.SchemaError("a patch needs an older parent version")
+    codec = s.text(p, "codec", 16)
+    if codec not in PATCH_CODECS:
+        raise s.SchemaError(f"unknown patch codec {codec!r}")
+    size = s.integer(p, "size", 0, 1 << 42)
+    chunks = s.items(p, "chunks", MAX_MANIFEST_BODY // HASH_LEN)
+    if not all(isinstance(h, bytes) and len(h) == HASH_LEN for h in chunks):
+        raise s.SchemaError("patch chunk hashes must be 32-byte blake3 digests")
+    if len(chunks) != -(-size // chunk_size):
+        raise s.SchemaError("the patch's chunk count does not match its size")
+    anchor = s.integer(p, "anchor", 0, version)
+    weights_size = s.integer(p, "weights_size", 8, 1 << 42)
+    full = next((f for f in files if f.path == WEIGHTS_FILE), None)
+    if full is not None and full.size != weights_size:
+        raise s.SchemaError("weights_size does not match the weights file")
+    if full is not None and anchor != version:
+        raise s.SchemaError("a version with a full route is its own anchor")
+    if not tensors or not all(t.hash for t in tensors):
+        raise s.SchemaError("a patched version needs a hash for every tensor")
+    pos = tensors[0].offset
+    if pos < 8:
+        raise s.SchemaError("tensors overlap the safetensors header")
+    for t in tensors:
+        if t.offset != pos:
+            raise s.SchemaError("tensors must tile the weights file in order")
+        pos += t.nbytes
+    if pos != weights_size:
+        raise s.SchemaError("tensors must end where the weights file ends")
+    deltas = []
+    last, total = -1, 0
+    for d in s.items(p, "deltas", len(tensors)):
+        if not (isinstance(d, list) and len(d) == 5 and all(isinstance(x, int) and not isinstance(x, bool) for x in d)):
+            raise s.SchemaError("a delta is [tensor, changed, index_mode, index_len, value_len]")
+        delta = TensorDelta(*d)
+        if not last < delta.tensor < len(tensors):
+            raise s.SchemaError("deltas must name tensors in increasing order")
+        t = tensors[delta.tensor]
+        numel = t.numel
+        if numel == 0 or t.nbytes % numel or t.nbytes // numel not in ELEMENT_WIDTHS:
+            raise s.SchemaError(f"tensor {t.name!r} cannot be patched (element width)")
+        if not 1 <= delta.changed <= numel or delta.index_mode not in (INDEX_GAPS, INDEX_BITMAP):
+            raise s.SchemaError(f"bad delta for tensor {t.name!r}")
+        if delta.index_len < 0 or delta.value_len < 0:
+            raise s.SchemaError("negative stream length")
+        total += delta.index_len + delta.value_len
+        last = delta.tensor
+        deltas.append(delta)
+    if total != size:
+        raise s.SchemaError("the deltas' streams do not add up to the patch size")
+    return PatchInfo(
+        parent_id=s.blob(p, "parent_id", HASH_LEN, exact=HASH_LEN),
+        anchor=anchor,
+        codec=codec,
+        size=size,
+        chunks=chunks,
+        weights_size=weights_size,
+        header_hash=s.blob(p, "header_hash", HASH_LEN, exact=HASH_LEN),
+        deltas=deltas,
+    )
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,12 @@ class Precision:
     def name(self) -> str:
         return "bf16" if self.compute == torch.bfloat16 else "fp32"
 
+    @property
+    def scoring(self) -> torch.dtype:
+        """The scoring model's dtype: the publish dtype, but fp32 when computing in fp32 (bf16 versions of an fp32
+        learner are then scored in fp32 arithmetic on their exact bits, as the torch sampler engine runs them)."""
+        return torch.float32 if self.compute == torch.float32 else self.publish
+
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.compute == torch.float32:
             return contextlib.nullcontext()
@@ -42,7 +48,7 @@ def mps_available() -> bool:
     return bool(getattr(torch.backends, "mps", None)) and torch.backends.mps.is_available()
 
 
-def resolve(device: str = "auto", dtype: str = "auto") -> Precision:
+def resolve(device: str = "auto", dtype: str = "auto", publish: str = "auto") -> Precision:
     if device not in DEVICES:
         raise UserError(f"unknown device {device!r}: use one of {', '.join(DEVICES)}")
     if dtype not in DTYPES:
@@ -56,4 +62,7 @@ def resolve(device: str = "auto", dtype: str = "auto") -> Precision:
     if dtype == "auto":
         dtype = "bf16" if device == "cuda" else "fp32"
     compute = torch.bfloat16 if dtype == "bf16" else torch.float32
-    return Precision(torch.device(device), compute, compute)
+    if publish not in DTYPES:
+        raise UserError(f"unknown publish dtype {publish!r}: use one of {', '.join(DTYPES)}")
+    published = compute if publish == "auto" else torch.bfloat16 if publish == "bf16" else torch.float32
+    return Precision(torch.device(device), compute, published)

@@ -69,7 +69,7 @@ class Learner:
         torch.set_num_threads(settings.torch_threads)
         self.model_dir = Path(model_dir)
         self.settings = settings
-        self.precision: Precision = resolve(settings.device, settings.dtype)
+        self.precision: Precision = resolve(settings.device, settings.dtype, settings.publish_dtype)
         info = inspect_model_dir(model_dir)
         self.codec = TextCodec(load_tokenizer(model_dir), info.eos_ids, settings.chat_template)
         self.model = load_model(model_dir, torch.float32, self.precision.device).eval()
@@ -80,7 +80,7 @@ class Learner:
         self.loss_cfg = LossConfig(settings.clip_low, settings.clip_high, settings.tis_cap, settings.kl_beta)
         self.ref_model = None
         if settings.kl_beta > 0:
-            self.ref_model = load_model(model_dir, self.precision.publish, self.precision.device).eval()
+            self.ref_model = load_model(model_dir, self.precision.scoring, self.precision.device).eval()
         self.version = 0
         self.steps = 0
         self.scorer = Scorer(

@@ -23,7 +23,7 @@ from trainer.model import completion_logits, load_model, load_weights_into, micr
 class Scorer:
     def __init__(self, model_dir: Path, precision: Precision, keep: int, root: Path, token_budget: int) -> None:
         self.precision = precision
-        self.model = load_model(model_dir, precision.publish, precision.device).eval()
+        self.model = load_model(model_dir, precision.scoring, precision.device).eval()
         self.keep = keep
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)

@@ -37,6 +37,12 @@ class LearnerSettings:
     dtype: str = knob(
         "auto", "bf16: fp32 master weights, bf16 autocast, bf16 versions (auto: bf16 on cuda)", choices=DTYPES
     )
+    publish_dtype: str = knob(
+        "auto",
+        "dtype versions are published in (auto: the compute dtype); bf16 from an fp32 learner halves every version"
+        " and lets versions travel as sparse patches (the bits that changed) at low learning rates",
+        choices=DTYPES,
+    )
     micro_batch_tokens: int = knob(8192, "padded tokens per forward/backward micro-batch (gradients accumulate)")
     activation_checkpointing: bool = knob(False, "recompute activations in backward (less memory, ~30% slower)")
     chat_template: bool = knob(False, "render prompts through the tokenizer's chat template")

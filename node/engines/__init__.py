@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from node.engines.base import Engine, Generation
+from node.engines.base import Engine, Generation, NotUpdatable
 from node.errors import UserError
 
-__all__ = ["Engine", "Generation", "auto_engine", "engine_factory", "make_engine"]
+__all__ = ["Engine", "Generation", "NotUpdatable", "auto_engine", "engine_factory", "install", "make_engine"]
+
+log = logging.getLogger(__name__)
 
 
 def mlx_available() -> bool:
@@ -45,3 +48,18 @@ def engine_factory(name: str, bits: str) -> Callable[[Path, int], Engine]:
     """A sampler's engine maker from its settings: (model dir, version) -> engine."""
     quant_bits = None if bits == "none" else int(bits)
     return lambda path, version: make_engine(name, path, bits=quant_bits, version=version)
+
+
+def install(engine: Engine, model_dir: Path, version: int, changes=None) -> str:
+    """Put ``version`` (the model dir ``model_dir``) into a running engine: in place, touching only the changed
+    elements, when ``changes`` (node.weights.patch.WeightChanges) start from the version the engine runs and the
+    engine can; else a full swap. Returns "updated" or "swapped"."""
+    update = getattr(engine, "update", None)
+    if changes is not None and update is not None and changes.base == engine.version:
+        try:
+            update(model_dir, version, changes)
+            return "updated"
+        except NotUpdatable as exc:
+            log.info("in-place update to version %d not possible (%s): full swap", version, exc)
+    engine.swap(model_dir, version)
+    return "swapped"

@@ -13,6 +13,10 @@ from pathlib import Path
 from typing import Protocol
 
 
+class NotUpdatable(Exception):
+    """An engine cannot apply these changes in place (the caller swaps the whole model instead)."""
+
+
 @dataclass(frozen=True)
 class Generation:
     completion_ids: list[int]
@@ -52,3 +56,7 @@ class Engine(Protocol):
     def swap(self, model_dir: Path, version: int) -> None:
         """Replace the live weights with those in ``model_dir`` (same architecture), tagged ``version``."""
         ...
+
+    # Optional: ``update(model_dir, version, changes)`` puts ``version`` in place, given which elements changed since
+    # the running version (node.weights.patch.WeightChanges: flat positions per tensor name); the result must be
+    # exactly what ``swap`` gives. Raises NotUpdatable (before touching anything it cannot finish) to ask for a swap.

@@ -20,13 +20,14 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import BatchKVCache
 from mlx_lm.utils import load_model
 
-from node.engines.base import Generation
+from node.engines.base import Generation, NotUpdatable
 from node.engines.worker import ComputeThread
 from node.errors import UserError
 from protocols.draw import draw_uniforms
 from trainer.model_dir import inspect_model_dir
 
 QUANT_NAMES = {None: "none", 8: "q8", 4: "q4"}
+MX_DTYPES = {"BF16": mx.bfloat16, "F32": mx.float32, "F16": mx.float16}
 PREFILL_STEP = 2048  # prompt tokens per forward pass while prefilling
 BATCH_SIZE = 64  # sequences decoded together (a GRPO group is one batch)
 
@@ -98,6 +99,63 @@ class MlxEngine:
             raise UserError(f"weights in {model_dir} do not fit the running model: {exc}") from None
         mx.eval(self.model.parameters())
         self.version = version
+
+    def update(self, model_dir: Path, version: int, changes) -> None:
+        """In place: a quantized weight re-quantizes only the groups holding changed elements (from the version's
+        weights file; quantization is per group, so this is exactly what ``swap`` computes for them); any other
+        parameter gets index writes of the changed elements."""
+        self._thread.call(self._update, Path(model_dir), version, changes)
+
+    def _update(self, model_dir: Path, version: int, changes) -> None:
+        from node.weights.encoding import map_tensors
+
+        path = model_dir / "model.safetensors"
+        if not path.exists():
+            raise NotUpdatable("no model.safetensors")
+        tensors = map_tensors(path)
+        params = dict(tree_flatten(self.model.parameters()))
+        quantized = self._quantized_paths()
+        out: list[tuple[str, mx.array]] = []
+        for name, idx in changes.indices.items():
+            if name not in tensors or tensors[name][0] not in MX_DTYPES:
+                raise NotUpdatable(f"{name} is not in the weights file, or of an unexpected dtype")
+            dtype, arr = tensors[name]
+            base = name[: -len(".weight")] if name.endswith(".weight") else None
+            if base is not None and base in quantized:
+                out += self._requantize(base, dtype, arr, idx, params)
+            elif name in params and params[name].size == arr.size and params[name].dtype == MX_DTYPES[dtype]:
+                p = params[name]
+                flat = p.reshape(-1)
+                flat[mx.array(idx)] = to_mx(arr.reshape(-1)[idx], dtype)
+                out.append((name, flat.reshape(p.shape)))
+            else:
+                raise NotUpdatable(f"{name} does not match the running model")
+        self.model.load_weights(out, strict=False)
+        mx.eval(self.model.parameters())
+        self.version = version
+
+    def _requantize(
+        self, base: str, dtype: str, arr: np.ndarray, idx: np.ndarray, params: dict[str, mx.array]
+    ) -> list[tuple[str, mx.array]]:
+        gs = self.group_size
+        w, scales, biases = params[f"{base}.weight"], params[f"{base}.scales"], params.get(f"{base}.biases")
+        if arr.ndim != 2 or arr.shape[1] % gs or biases is None or scales.shape != (arr.shape[0], arr.shape[1] // gs):
+            raise NotUpdatable(f"{base} is not quantized the way this engine quantizes")
+        groups = np.unique(idx // gs)
+        q, s, b = mx.quantize(to_mx(arr.reshape(-1, gs)[groups], dtype), group_size=gs, bits=self.bits)
+        if s.dtype != scales.dtype:
+            raise NotUpdatable(f"{base}: the new weights quantize to {s.dtype}, the running ones are {scales.dtype}")
+        at = mx.array(groups)
+        w_groups = w.reshape(-1, q.shape[-1])
+        w_groups[at] = q
+        flat_s, flat_b = scales.reshape(-1), biases.reshape(-1)
+        flat_s[at] = s.reshape(-1)
+        flat_b[at] = b.reshape(-1)
+        return [
+            (f"{base}.weight", w_groups.reshape(w.shape)),
+            (f"{base}.scales", flat_s.reshape(scales.shape)),
+            (f"{base}.biases", flat_b.reshape(biases.shape)),
+        ]
 
     def generate(
         self, prompts: list[list[int]], *, temperature: float, top_p: float, max_tokens: int, seed: int
@@ -175,6 +233,12 @@ class MlxEngine:
                 live = [live[j] for j in keep]
             logits = self.model(tok[:, None], cache=cache)[:, -1, :]
         return [Generation(t, lp, f) for t, lp, f in zip(tokens, logps, finish, strict=True)]
+
+
+def to_mx(values: np.ndarray, dtype: str) -> mx.array:
+    """Elements read from a safetensors file (BF16 as uint16 bits) as an MLX array of that dtype, bit for bit."""
+    values = np.ascontiguousarray(values)
+    return mx.array(values).view(mx.bfloat16) if dtype == "BF16" else mx.array(values)
 
 
 def _nucleus(p: mx.array, top_p: float) -> mx.array:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from node.engines.base import Generation
+from node.engines.base import Generation, NotUpdatable
 from node.errors import UserError
 from protocols.draw import draw_uniforms
 from trainer.draws import draw_tokens
@@ -49,6 +49,34 @@ class TorchEngine:
             raise UserError(f"weights in {model_dir} do not fit: missing {missing[:3]}, unexpected {unexpected[:3]}")
         if self.model.config.tie_word_embeddings:
             self.model.tie_weights()
+        self.version = version
+
+    def update(self, model_dir: Path, version: int, changes) -> None:
+        """In place: index writes of the changed elements only, each widened exactly from the version's weights file
+        (what ``swap``'s load_state_dict computes for them); tied weights share storage and follow."""
+        from node.weights.encoding import bf16_to_f32, map_tensors
+
+        path = Path(model_dir) / "model.safetensors"
+        if not path.exists():
+            raise NotUpdatable("no model.safetensors")
+        tensors = map_tensors(path)
+        params = self.model.state_dict()
+        writes = []
+        for name, idx in changes.indices.items():
+            if name not in tensors or name not in params:
+                raise NotUpdatable(f"{name} is not a parameter of the running model")
+            dtype, arr = tensors[name]
+            p = params[name]
+            if p.numel() != arr.size or not p.is_contiguous():
+                raise NotUpdatable(f"{name} has another shape")
+            writes.append((p, idx, dtype, arr))
+        with torch.no_grad():
+            for p, idx, dtype, arr in writes:
+                picked = arr.reshape(-1)[idx]
+                values = bf16_to_f32(picked) if dtype == "BF16" else picked
+                p.view(-1)[torch.from_numpy(np.ascontiguousarray(idx))] = torch.from_numpy(
+                    np.ascontiguousarray(values)
+                ).to(p.dtype)
         self.version = version
 
     def generate(

@@ -15,6 +15,7 @@ from libp2p.peer.id import ID
 from node.config import NodeConfig
 from node.discovery import find_role, provide_forever, role_key
 from node.engines import Engine
+from node.engines import install as install_weights
 from node.host import Swarm
 from node.rpc import request
 from node.settings import Settings
@@ -99,20 +100,21 @@ class SamplerRole:
             self.weight_settings,
         )
 
-    async def install_version(self, version: int, path: Path) -> None:
-        """First version: build the engine. Later ones: hot-swap, after any in-flight group finishes."""
-        await self._install(version, path)
+    async def install_version(self, version: int, path: Path, changes: Any = None) -> None:
+        """First version: build the engine. Later ones: hot-swap (in place when ``changes`` say which elements of
+        the running version changed), after any in-flight group finishes."""
+        await self._install(version, path, changes)
         self.versions.installed(version)
 
-    async def _install(self, version: int, path: Path) -> None:
+    async def _install(self, version: int, path: Path, changes: Any = None) -> None:
         if self.engine is None:
             self.engine = await trio.to_thread.run_sync(self.engine_factory, path, version)
             self.engine_ready.set()
             log.info("engine %s/%s ready at version %d", self.engine.name, self.engine.quant, version)
             return
         async with self._engine_lock:
-            await trio.to_thread.run_sync(self.engine.swap, path, version)
-        log.info("hot-swapped to version %d", version)
+            how = await trio.to_thread.run_sync(install_weights, self.engine, path, version, changes)
+        log.info("%s to version %d", "updated in place" if how == "updated" else "hot-swapped", version)
 
     async def run(self, swarm: Swarm) -> None:
         async with trio.open_nursery() as nursery:

@@ -116,7 +116,9 @@ class TrainerRole:
         self.swarm = swarm
         key_pair = KeyPair(swarm.host.get_private_key(), swarm.host.get_public_key())
         w = self.weights
-        self.publisher = Publisher(self.store, key_pair, self.config.swarm, w.chunk_size, w.encoding)
+        self.publisher = Publisher(
+            self.store, key_pair, self.config.swarm, w.chunk_size, w.encoding, w.anchor_every, w.patch_max_fraction
+        )
         self.weight_server.register(swarm.host)
         s, intake = self.settings, self.intake
         swarm.host.set_stream_handler(
@@ -224,10 +226,14 @@ class TrainerRole:
         await trio.to_thread.run_sync(self.learner.save_model_dir, staging)
         mid, _, manifest = await trio.to_thread.run_sync(self.publisher.publish, staging, version)
         self.published = (version, mid)
-        self.last_metrics["publish_bytes"] = manifest.total_size
+        self.last_metrics["publish_bytes"] = manifest.update_size  # a patch's size when it travels as one
         self.view.trainer_version(version)
         log.info(
-            "published version %d (%d chunks, %.1f MB)", version, len(manifest.all_chunks()), manifest.total_size / 1e6
+            "published version %d (%d chunks, %.1f MB%s)",
+            version,
+            len(manifest.all_chunks()),
+            manifest.total_size / 1e6,
+            f"; patch {manifest.patch.size / 1e6:.2f} MB" if manifest.patch is not None else "",
         )
         await self.announce()
         await trio.to_thread.run_sync(self.store.gc, self.settings.max_staleness + 2)

@@ -47,6 +47,28 @@ def read_float_tensors(path: Path) -> dict[str, np.ndarray]:
     return out
 
 
+def map_tensors(path: Path) -> dict[str, tuple[str, np.ndarray]]:
+    """Every tensor of a safetensors file as (safetensors dtype, read-only memory-mapped numpy view), without
+    reading the file: BF16 tensors as their uint16 bits. For engines that need a few elements of a new version."""
+    with open(path, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(n))
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    out: dict[str, tuple[str, np.ndarray]] = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        a, b = meta["data_offsets"]
+        dtype = np.dtype("<u2") if meta["dtype"] == "BF16" else np.dtype(NUMPY_DTYPES[meta["dtype"]])
+        out[name] = (meta["dtype"], mm[8 + n + a : 8 + n + b].view(dtype).reshape(meta["shape"]))
+    return out
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    """bf16 bits (uint16) widened exactly to float32."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
 def encode_int8(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for name, t in state.items():

@@ -12,13 +12,15 @@
   size), is dropped as a source for this download and struck; its claims stop counting towards rarity, and any
   chunk a request failed for becomes one the origin serves, so a liar cannot park chunks out of reach.
 - A peer that says "busy" or "rate_limited" (its upload limit) is simply asked again later.
+- ``wanted`` restricts the download to one route's chunks (a version's patch, or its full files); the
+  have-bitfields still index every chunk of the manifest, so peers on either route understand each other.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import trio
@@ -27,6 +29,7 @@ from libp2p.peer.id import ID
 
 from node.rpc import request
 from node.strikes import Strikes
+from node.weights.manifest import chunk_sizes
 from node.weights.store import BadChunk, ChunkStore
 from protocols import weights as w
 from protocols.errors import RemoteError
@@ -64,6 +67,7 @@ class Download:
         request_timeout: float = 20.0,
         min_rate: float = 256 << 10,
         max_neighbours: int = 6,
+        wanted: Collection[bytes] | None = None,
     ) -> None:
         self.host = host
         self.store = store
@@ -76,7 +80,9 @@ class Download:
         # Tensor-aligned chunks are often far below chunk_size, so size requests by a generous guess at a typical
         # chunk (4x the mean, at most chunk_size): on a long-RTT path each request then carries ~4 MiB. (Replies
         # were kept near 1 MiB while py-libp2p's yamux could deadlock; node/libp2p_patches.py removed that.)
-        mean_chunk = max(1, manifest.total_size // max(1, len(manifest.all_chunks())))
+        sizes = chunk_sizes(manifest)
+        route = list(wanted) if wanted is not None else manifest.all_chunks()
+        mean_chunk = max(1, sum(sizes.get(h, 0) for h in route) // max(1, len(route)))
         self.typical = min(manifest.chunk_size, 4 * mean_chunk)
         self.batch = max(1, min(batch, w.MAX_CHUNKS_PER_REQUEST, (4 << 20) // self.typical))
         self.have_interval = have_interval
@@ -91,7 +97,9 @@ class Download:
         self.declined: dict[int, float] = {}  # chunk -> when the origin may be asked for it again
         self.chunks = manifest.all_chunks()
         self.index = {h: i for i, h in enumerate(self.chunks)}
-        self.missing: set[int] = {self.index[h] for h in store.missing(manifest)}
+        want = set(wanted) if wanted is not None else None
+        self.missing: set[int] = {self.index[h] for h in store.missing(manifest) if want is None or h in want}
+        self.wanted_count = len(want & set(self.chunks)) if want is not None else len(self.chunks)
         self.in_flight: set[int] = set()
         self.holders: dict[ID, set[int]] = {}
         self.heard: dict[ID, float] = {}  # when each peer's bitfield was last learned
@@ -102,7 +110,7 @@ class Download:
         self._starved = trio.Event()
 
     def fraction_done(self) -> float:
-        return 1.0 - len(self.missing) / max(1, len(self.chunks))
+        return 1.0 - len(self.missing) / max(1, self.wanted_count)
 
     def _poke(self) -> None:
         self._progress.set()

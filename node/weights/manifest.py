@@ -1,7 +1,8 @@
 """Cutting a model directory into chunks, and signing / verifying the manifest that lists them.
 
 Chunks never straddle two tensors of the weight file: a tensor that did not change between versions
-yields the same chunks, so a new version costs only its changed tensors.
+yields the same chunks, so a new version costs only its changed tensors. (A version may also travel as a
+sparse patch of its parent: node/weights/patch.py.)
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from libp2p.crypto.serialization import deserialize_public_key
 from libp2p.peer.id import ID
 
 from protocols.errors import ProtocolError
-from protocols.weights import SIGN_DOMAIN, FileEntry, Manifest, SignedManifest, TensorEntry
+from protocols.weights import SIGN_DOMAIN, WEIGHTS_FILE, FileEntry, Manifest, SignedManifest, TensorEntry
 
-WEIGHTS_FILE = "model.safetensors"
+__all__ = ["WEIGHTS_FILE", "ForgedManifest", "chunk_hash", "chunk_sizes", "cut_model_dir", "manifest_id"]
 
 
 class ForgedManifest(ProtocolError):
@@ -66,9 +67,17 @@ class CutModelDir:
     tensors: list[TensorEntry]
 
 
-def cut_model_dir(model_dir: Path, chunk_size: int, sink: Callable[[bytes, bytes], None]) -> CutModelDir:
+def weights_boundaries(start: int, tensors: list[TensorEntry]) -> list[int]:
+    """Where chunks of a weights file must start: its data region and every tensor."""
+    return [start] + [t.offset for t in tensors]
+
+
+def cut_model_dir(
+    model_dir: Path, chunk_size: int, sink: Callable[[bytes, bytes], None], skip: frozenset[str] = frozenset()
+) -> CutModelDir:
     """Cut every file of ``model_dir`` into chunks, handing each (hash, bytes) to ``sink`` as it is cut: a chunk
-    at a time is read, so a multi-GB weights file is never held (or mapped) in memory whole."""
+    at a time is read, so a multi-GB weights file is never held (or mapped) in memory whole. Files named in
+    ``skip`` are not cut (nor listed), though the weights file's tensor layout is always read."""
     files, tensors = [], []
     for path in sorted(p for p in Path(model_dir).iterdir() if p.is_file()):
         size = path.stat().st_size
@@ -78,7 +87,9 @@ def cut_model_dir(model_dir: Path, chunk_size: int, sink: Callable[[bytes, bytes
                 head = fh.read(8)
                 (n,) = struct.unpack("<Q", head)
                 start, tensors = safetensors_layout(head + fh.read(n))
-                boundaries = [start] + [t.offset for t in tensors]
+                boundaries = weights_boundaries(start, tensors)
+            if path.name in skip:
+                continue
             hashes = []
             for a, b in cut_ranges(size, boundaries, chunk_size):
                 fh.seek(a)
@@ -88,6 +99,28 @@ def cut_model_dir(model_dir: Path, chunk_size: int, sink: Callable[[bytes, bytes
                 hashes.append(h)
         files.append(FileEntry(path.name, size, hashes))
     return CutModelDir(files, tensors)
+
+
+def chunk_sizes(manifest: Manifest) -> dict[bytes, int]:
+    """Every chunk's size in bytes, from the manifest alone (the cut is deterministic: tensor-aligned weights,
+    ``chunk_size`` pieces elsewhere). What a route costs to fetch is the sum over its missing chunks."""
+    out: dict[bytes, int] = {}
+
+    def add(hashes: list[bytes], size: int, boundaries: list[int]) -> None:
+        ranges = cut_ranges(size, boundaries, manifest.chunk_size)
+        if len(ranges) == len(hashes):
+            out.update((h, b - a) for h, (a, b) in zip(hashes, ranges, strict=True))
+        else:  # not cut the way this node cuts: an even share is a fine estimate
+            out.update((h, size // max(1, len(hashes))) for h in hashes)
+
+    for f in manifest.files:
+        boundaries = []
+        if f.path == WEIGHTS_FILE and manifest.tensors:
+            boundaries = weights_boundaries(min(t.offset for t in manifest.tensors), manifest.tensors)
+        add(f.chunks, f.size, boundaries)
+    if manifest.patch is not None:
+        add(manifest.patch.chunks, manifest.patch.size, [])
+    return out
 
 
 def sign_manifest(manifest: Manifest, key_pair: KeyPair) -> SignedManifest:

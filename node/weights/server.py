@@ -49,14 +49,26 @@ class WeightServer:
             for h in [h for h in table if not self.store.has(h)]:
                 del table[h]
 
-    def _floor(self) -> int:
+    def _floors(self) -> dict[bytes, int]:
+        """Per chunk of the newest version, how often every chunk of its route went out (the super-seeding floor).
+        Taken per route: nodes holding the parent fetch only the patch, so the full weights of an anchor (asked
+        for by newcomers alone) must not hold the patch's floor at zero, nor the other way round."""
         latest = self.store.latest()
         if latest is None:
-            return 0
-        return min((self._served.get(h, 0) for h in latest[2].all_chunks()), default=0)
+            return {}
+        m = latest[2]
+        floors: dict[bytes, int] = {}
+        lows = []
+        for route in (m.full_chunks(), m.patch_chunks()):
+            if route:
+                lows.append(low := min(self._served.get(h, 0) for h in route))
+                for h in route:
+                    floors[h] = max(floors.get(h, 0), low)
+        floors[b""] = min(lows, default=0)  # chunks of older versions: the lowest route's floor, as before routes
+        return floors
 
-    def _may_serve(self, h: bytes, floor: int) -> bool:
-        if not self.origin or self._served.get(h, 0) <= floor:
+    def _may_serve(self, h: bytes, floors: dict[bytes, int]) -> bool:
+        if not self.origin or self._served.get(h, 0) <= floors.get(h, floors.get(b"", 0)):
             return True
         return time.monotonic() - self._last_served.get(h, 0.0) > self.reserve_after
 
@@ -86,9 +98,9 @@ class WeightServer:
             if cost:  # raises RateLimited(retry_after); one request never costs more than the burst
                 self.upload_limit.take(str(remote), min(float(cost), self.upload_limit.burst))
             found, missing = [], []
-            floor = self._floor() if self.origin else 0
+            floors = self._floors() if self.origin else {}
             for h in arg:
-                if not self._may_serve(h, floor):
+                if not self._may_serve(h, floors):
                     self.throttled += 1
                     missing.append(h)  # "ask the others first": they will have it soon
                     continue

@@ -2,10 +2,16 @@
 
 Chunks are shared across versions (a chunk is stored once, whatever references it), every write is
 verified and atomic (tmp + rename), so a node killed mid-download resumes with what it already has.
+
+A version reaches a node by one of two routes (protocols/weights.py): ``full`` (all of its files' chunks) or
+``patch`` (its parent's model dir, rebuilt already, plus the patch chunks and the other files' chunks). A
+version *held* here is one whose chunks for some route are all present; a version *built* here has its model
+dir in ``versions/v<N>`` (written only after every tensor of it matched its hash).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -15,14 +21,26 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from node.weights.encoding import decode_int8
-from node.weights.manifest import WEIGHTS_FILE, chunk_hash, manifest_id
+from node.weights.manifest import WEIGHTS_FILE, chunk_hash, cut_ranges, manifest_id, weights_boundaries
+from node.weights.patch import PatchError, TensorMismatch, WeightChanges, apply_patch
 from protocols.errors import ProtocolError
 from protocols.framing import unpack
 from protocols.weights import MAX_MANIFEST_BODY, Manifest, SignedManifest
 
+log = logging.getLogger(__name__)
+
+ROUTES = ("full", "patch")
+MAX_CHAIN = 1024  # links followed back to an anchor, at most
+
 
 class BadChunk(ProtocolError):
     code = "bad_chunk"
+
+
+class MissingChunk(FileNotFoundError):
+    def __init__(self, h: bytes, what: str = "") -> None:
+        super().__init__(f"chunk {h.hex()[:12]}{' of ' + what if what else ''} is not in the store")
+        self.hash = h
 
 
 class ChunkStore:
@@ -68,6 +86,20 @@ class ChunkStore:
             self._present.discard(h)
             return None
 
+    def read_verified(self, h: bytes, what: str = "") -> bytes:
+        """A chunk whose bytes still hash to ``h`` (one damaged on disk is dropped, to be fetched again)."""
+        data = self.read(h)
+        if data is None:
+            raise MissingChunk(h, what)
+        if chunk_hash(data) != h:
+            self.drop(h)
+            raise BadChunk(f"chunk {h.hex()[:12]} was damaged on disk; dropped, to be fetched again")
+        return data
+
+    def drop(self, h: bytes) -> None:
+        self._present.discard(h)
+        self._chunk_path(h).unlink(missing_ok=True)
+
     def write(self, h: bytes, data: bytes) -> None:
         """Store a chunk after checking that its blake3 matches ``h``; a mismatch raises BadChunk."""
         if chunk_hash(data) != h:
@@ -102,17 +134,35 @@ class ChunkStore:
     def manifest(self, mid: bytes) -> tuple[SignedManifest, Manifest] | None:
         return self._manifests.get(mid)
 
+    def manifests(self) -> list[tuple[bytes, Manifest]]:
+        """Every manifest held, newest version first."""
+        return sorted(((mid, m) for mid, (_, m) in self._manifests.items()), key=lambda x: -x[1].version)
+
     def latest(self) -> tuple[bytes, SignedManifest, Manifest] | None:
-        """The newest version whose chunks are all here."""
-        complete = [(m.version, mid) for mid, (_, m) in self._manifests.items() if not self.missing(m)]
+        """The newest version held (all chunks of one of its routes are here)."""
+        complete = [(m.version, mid) for mid, (_, m) in self._manifests.items() if self.complete(m)]
         if not complete:
             return None
         mid = max(complete)[1]
         signed, m = self._manifests[mid]
         return mid, signed, m
 
-    def missing(self, manifest: Manifest) -> list[bytes]:
-        return [h for h in manifest.all_chunks() if h not in self._present]
+    def route_chunks(self, manifest: Manifest, route: str) -> list[bytes]:
+        """The chunks one route needs (empty if the version has no such route)."""
+        if route == "full":
+            return manifest.full_chunks()
+        if route == "patch":
+            return manifest.patch_chunks()
+        raise ValueError(f"unknown route {route!r}")
+
+    def missing(self, manifest: Manifest, route: str | None = None) -> list[bytes]:
+        """Chunks not here: of one route, or (None) of every route."""
+        chunks = manifest.all_chunks() if route is None else self.route_chunks(manifest, route)
+        return [h for h in chunks if h not in self._present]
+
+    def complete(self, manifest: Manifest) -> bool:
+        """Whether every chunk of some route of this version is here."""
+        return any(self.route_chunks(manifest, r) and not self.missing(manifest, r) for r in ROUTES)
 
     def bitfield(self, manifest: Manifest) -> bytes:
         chunks = manifest.all_chunks()
@@ -123,23 +173,52 @@ class ChunkStore:
         return bytes(bits)
 
     # -- model dirs --------------------------------------------------------------------------------------
-    def assemble(self, manifest: Manifest) -> Path:
-        """Write the version as an HF model directory (int8 weights are dequantized to fp32)."""
+    def built(self, manifest: Manifest) -> Path | None:
+        """The version's model dir, if it was built here."""
         out = self.versions_dir / f"v{manifest.version}"
-        if (out / ".complete").exists():
-            return out
+        return out if (out / ".complete").exists() else None
+
+    def unbuild(self, version: int) -> None:
+        """Forget a built model dir (its bits are suspect: a patch made against them did not verify)."""
+        shutil.rmtree(self.versions_dir / f"v{version}", ignore_errors=True)
+
+    def _write_files(self, manifest: Manifest, tmp: Path, skip: str | None = None) -> None:
+        for f in manifest.files:
+            if f.path == skip:
+                continue
+            with open(tmp / f.path, "wb") as fh:
+                for h in f.chunks:
+                    fh.write(self.read_verified(h, f.path))
+            if (tmp / f.path).stat().st_size != f.size:
+                raise BadChunk(f"{f.path} reassembled to the wrong size")
+
+    def _finish(self, manifest: Manifest, tmp: Path) -> Path:
+        out = self.versions_dir / f"v{manifest.version}"
+        (tmp / ".complete").write_text(str(manifest.version))
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+        return out
+
+    def _staging(self, manifest: Manifest) -> Path:
         tmp = self.versions_dir / f"v{manifest.version}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        for f in manifest.files:
-            with open(tmp / f.path, "wb") as fh:
-                for h in f.chunks:
-                    data = self.read(h)
-                    if data is None:
-                        raise FileNotFoundError(f"chunk {h.hex()[:12]} of {f.path} is not in the store")
-                    fh.write(data)
-            if (tmp / f.path).stat().st_size != f.size:
-                raise BadChunk(f"{f.path} reassembled to the wrong size")
+        return tmp
+
+    def assemble(self, manifest: Manifest) -> Path:
+        """Write the version as an HF model directory (int8 weights are dequantized to fp32): from its full route,
+        or, for a patch whose full route is not here, from its parent's model dir (built first if need be)."""
+        out = self.built(manifest)
+        if out is not None:
+            return out
+        if manifest.patch is not None and not (manifest.has_full and not self.missing(manifest, "full")):
+            entry = self._manifests.get(manifest.patch.parent_id)
+            if entry is None:
+                raise FileNotFoundError(f"version {manifest.version}'s parent manifest is not in the store")
+            self.assemble(entry[1])
+            return self.build_patched(manifest, entry[1])[0]
+        tmp = self._staging(manifest)
+        self._write_files(manifest, tmp)
         if manifest.encoding == "int8":
             weights = load_file(str(tmp / WEIGHTS_FILE))
             save_file(
@@ -147,22 +226,83 @@ class ChunkStore:
                 str(tmp / WEIGHTS_FILE),
                 metadata={"format": "pt"},
             )
-        (tmp / ".complete").write_text(str(manifest.version))
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
-        return out
+        return self._finish(manifest, tmp)
+
+    def build_patched(self, manifest: Manifest, parent: Manifest) -> tuple[Path, WeightChanges | None]:
+        """Build the version from its built parent and its patch chunks: the other files from their chunks, the
+        weights file by applying the patch to the parent's, every tensor checked against its hash. An anchor
+        rebuilt this way also gets its full-route chunks stored (checked against the manifest), so this node can
+        serve it whole to nodes that have no parent. Returns (model dir, changed positions)."""
+        patch = manifest.patch
+        if patch is None or parent.version != manifest.parent:
+            raise PatchError(f"version {manifest.version} is not a patch of version {parent.version}")
+        done = self.built(manifest)
+        if done is not None:
+            return done, None
+        parent_dir = self.built(parent)
+        if parent_dir is None:
+            raise FileNotFoundError(f"version {parent.version} is not built here")
+        blob = b"".join(self.read_verified(h, f"the patch of version {manifest.version}") for h in patch.chunks)
+        tmp = self._staging(manifest)
+        try:
+            self._write_files(manifest, tmp, skip=WEIGHTS_FILE)
+            changes = apply_patch(parent_dir / WEIGHTS_FILE, tmp / WEIGHTS_FILE, manifest, blob)
+            if manifest.has_full:
+                self._store_full_weights(manifest, tmp / WEIGHTS_FILE)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return self._finish(manifest, tmp), changes
+
+    def _store_full_weights(self, manifest: Manifest, weights: Path) -> None:
+        entry = next(f for f in manifest.files if f.path == WEIGHTS_FILE)
+        start = min(t.offset for t in manifest.tensors)
+        ranges = cut_ranges(entry.size, weights_boundaries(start, manifest.tensors), manifest.chunk_size)
+        if len(ranges) != len(entry.chunks):
+            return  # cut another way than this node cuts: it cannot re-serve the full route, nothing else lost
+        with open(weights, "rb") as fh:
+            for h, (a, b) in zip(entry.chunks, ranges, strict=True):
+                fh.seek(a)
+                piece = fh.read(b - a)
+                if chunk_hash(piece) != h:
+                    raise TensorMismatch(f"version {manifest.version}'s rebuilt weights differ from its full route")
+                self.put_hashed(h, piece)
+
+    # -- garbage collection ------------------------------------------------------------------------------------
+    def chain_to_anchor(self, mid: bytes) -> list[bytes]:
+        """The held versions from ``mid`` back to the newest anchor whose full route is here, newest first, or []
+        when a link on the way is missing (then nothing older is needed to rebuild ``mid``'s successors)."""
+        path = []
+        for _ in range(MAX_CHAIN):
+            entry = self._manifests.get(mid)
+            if entry is None or not self.complete(entry[1]):
+                return []
+            m = entry[1]
+            path.append(mid)
+            if m.has_full and not self.missing(m, "full"):
+                return path
+            if m.patch is None:
+                return []
+            mid = m.patch.parent_id
+        return []
 
     def gc(self, keep: int) -> int:
-        """Keep the newest ``keep`` complete versions, and up to ``keep`` newer ones still arriving; drop other
-        manifests, their model dirs and unreferenced chunks. (Counting incomplete versions against ``keep``
-        would let a burst of announcements delete the only version a restarted node could start from.)"""
-        by_version = sorted(self._manifests.items(), key=lambda kv: kv[1][1].version, reverse=True)
-        complete = [mid for mid, (_, m) in by_version if not self.missing(m)]
+        """Keep the newest ``keep`` held versions, up to ``keep`` newer ones still arriving, and the chain of
+        patches from the newest held version back to its anchor (what a node without a parent needs to reach
+        the newest version: the anchor's full route and every patch after it); drop other manifests, every
+        model dir but those of the newest ``keep`` held versions, and unreferenced chunks. (Counting incomplete
+        versions against ``keep`` would let a burst of announcements delete the only version a restarted node
+        could start from.)"""
+        by_version = self.manifests()
+        complete = [mid for mid, m in by_version if self.complete(m)]
         newest_complete = self._manifests[complete[0]][1].version if complete else -1
-        arriving = [mid for mid, (_, m) in by_version if m.version > newest_complete]
-        kept = set(complete[:keep]) | set(arriving[:keep])
-        for mid, (_, m) in by_version:
+        arriving = [mid for mid, m in by_version if m.version > newest_complete]
+        window = set(complete[:keep])
+        kept = window | set(arriving[:keep]) | set(self.chain_to_anchor(complete[0]) if complete else [])
+        for mid, m in by_version:
             if mid in kept:
+                if mid not in window and mid not in arriving:
+                    shutil.rmtree(self.versions_dir / f"v{m.version}", ignore_errors=True)
                 continue
             (self.manifest_dir / f"{mid.hex()}.bin").unlink(missing_ok=True)
             shutil.rmtree(self.versions_dir / f"v{m.version}", ignore_errors=True)

@@ -1,9 +1,18 @@
 """Keeps a node on the newest policy version: learns of versions by gossip (and by asking the trainer),
 accepts only manifests signed by the trusted trainer, downloads, reassembles, hands the model dir over,
-then announces that it holds the version so others fetch from it."""
+then announces that it holds the version so others fetch from it.
+
+A version may be a sparse patch of its parent (protocols/weights.py): the node plans the cheapest route to it
+(node/weights/chain.py: patches from a version it has built, or the newest anchor and the patches after it),
+fetches the missing links' manifests (signed by the trainer, each hashing to the id its child names), downloads
+every step's chunks at once, rebuilds the versions in order (each tensor checked against its hash), and hands
+the engine the positions that changed since the version it runs (``changes``) so it can update in place. A bad
+link (a chunk damaged on disk, a parent whose bits do not give the hashed result) is dropped and fetched again,
+never applied."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -17,14 +26,48 @@ from node.host import Swarm
 from node.rpc import request
 from node.settings import WeightSettings
 from node.strikes import Strikes
+from node.weights.chain import Step, plan, plan_bytes
 from node.weights.fetcher import Download
 from node.weights.gossip import Gossip, announce_topic
 from node.weights.manifest import ForgedManifest, manifest_id, verify_manifest
-from node.weights.store import ChunkStore
+from node.weights.patch import PatchError, TensorMismatch, WeightChanges
+from node.weights.store import BadChunk, ChunkStore
 from protocols import weights as w
 from protocols.errors import ProtocolError
 
 log = logging.getLogger(__name__)
+
+BUILD_RETRIES = 3  # rebuild attempts of one target after bad links, before waiting for a newer one
+
+
+class PlanDownload:
+    """The downloads of one plan's steps, run at once, seen as one."""
+
+    def __init__(self, downloads: list[Download]) -> None:
+        self.downloads = downloads
+
+    @property
+    def missing(self) -> list[tuple[int, int]]:
+        return [(k, i) for k, d in enumerate(self.downloads) for i in d.missing]
+
+    @property
+    def wanted_count(self) -> int:
+        return sum(d.wanted_count for d in self.downloads)
+
+    def fraction_done(self) -> float:
+        return 1.0 - len(self.missing) / max(1, self.wanted_count)
+
+    def bytes_by_peer(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for d in self.downloads:
+            for peer, n in d.stats.bytes_by_peer.items():
+                out[peer] = out.get(peer, 0) + n
+        return out
+
+    async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            for d in self.downloads:
+                nursery.start_soon(d.run)
 
 
 class WeightSync:
@@ -57,16 +100,22 @@ class WeightSync:
         self._announce_slots = trio.Semaphore(4)
         self._announce_failures: dict[str, int] = {}
         self._trainer_asked = trio.Event()
-        self.download: Download | None = None
+        self.download: PlanDownload | None = None
         self._target_changed = trio.Event()
+        try:
+            self._takes_changes = "changes" in inspect.signature(on_version).parameters
+        except (TypeError, ValueError):
+            self._takes_changes = False
+        self.routes: dict[str, int] = {"built": 0, "full": 0, "patch": 0}  # steps taken, by route
+        self.last_plan: list[tuple[int, str, int]] = []  # (version, route, bytes to fetch) of the last plan
+        self.bad_links = 0  # builds refused: damaged chunks, parents whose bits did not give the hashed result
+        self._build_failures: dict[bytes, int] = {}
 
     def peers(self) -> list[ID]:
         return [p for p in self.swarm.host.get_connected_peers() if p != self.swarm.peer_id]
 
     async def run(self) -> None:
-        latest = self.store.latest()  # resume: a version fully on disk is usable at once
-        if latest is not None:
-            await self._activate(latest[0], latest[2])
+        await self._resume()  # a version fully on disk is usable at once
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(self.gossip.listen, announce_topic(self.swarm_name), self._on_announce)
@@ -82,10 +131,13 @@ class WeightSync:
         }
         if self.last_swap_seconds is not None:
             out["last_swap_seconds"] = round(self.last_swap_seconds, 3)
+        out["routes"] = dict(self.routes)
+        if self.bad_links:
+            out["bad_links"] = self.bad_links
         d = self.download
         if d is not None and d.missing and self.target is not None and self.target[0] > self.current:
-            have = len(d.chunks) - len(d.missing)
-            out["downloading"] = {"version": self.target[0], "have": have, "of": len(d.chunks)}
+            have = d.wanted_count - len(d.missing)
+            out["downloading"] = {"version": self.target[0], "have": have, "of": d.wanted_count}
         return out
 
     async def _on_announce(self, sender: ID, message: dict[str, Any]) -> None:
@@ -165,25 +217,127 @@ class WeightSync:
         self._target_changed.set()
         return True
 
+    async def fetch_manifest(
+        self, mid: bytes, sources: list[ID] | None = None
+    ) -> tuple[w.SignedManifest, w.Manifest] | None:
+        """A manifest by id (a link of a patch chain): from the store, else from the trainer, then a few peers.
+        It must be signed by the trusted trainer and hash to ``mid``; a peer answering otherwise is struck."""
+        known = self.store.manifest(mid)
+        if known is not None:
+            return known
+        if sources is None:
+            others = [p for p in self.peers() if p != self.trainer_id and not self.strikes.is_banned(p)]
+            sources = [self.trainer_id, *others[:3]]
+        for peer in sources:
+            try:
+                reply = await request(
+                    self.swarm.host,
+                    peer,
+                    w.PROTOCOL_ID,
+                    w.get_manifest(mid),
+                    max_request=w.MAX_REQUEST_FRAME,
+                    max_reply=w.MAX_MANIFEST_BODY + 4096,
+                    timeout=self.settings.manifest_timeout,
+                )
+                signed = w.SignedManifest.from_wire(reply)
+                manifest = verify_manifest(signed, self.trainer_id, self.swarm_name)
+                if manifest_id(signed) != mid:
+                    raise ForgedManifest("asked for one manifest, answered with another")
+            except ForgedManifest as exc:
+                self.forged_manifests += 1
+                self.strikes.strike(peer)
+                log.warning("rejected a chain manifest from %s: %s", peer, exc)
+                continue
+            except Exception as exc:
+                log.debug("no manifest %s from %s: %s", mid.hex()[:12], peer, exc)
+                continue
+            self.store.add_manifest(signed, manifest)
+            return signed, manifest
+        return None
+
+    def _new_download(self, step: Step) -> Download:
+        s = self.settings
+        return Download(
+            self.swarm.host,
+            self.store,
+            step.manifest,
+            step.mid,
+            self.trainer_id,
+            self.peers,
+            self.strikes,
+            workers_per_peer=s.workers_per_peer,
+            have_interval=s.have_interval,
+            request_timeout=s.request_timeout,
+            min_rate=s.min_rate,
+            wanted=None
+            if step.route == "full" and step.manifest.patch is None
+            else self.store.route_chunks(step.manifest, step.route),
+        )
+
+    def build(self, steps: list[Step]) -> tuple[Path, WeightChanges | None]:
+        """Blocking: build a plan's versions in order; (the target's model dir, what changed since the plan's base
+        when the plan is a built version and patches after it, else None)."""
+        path: Path | None = None
+        changes: WeightChanges | None = None
+        previous: w.Manifest | None = None
+        for step in steps:
+            m = step.manifest
+            if step.route == "built":
+                path, changes = self.store.built(m), WeightChanges(m.version, m.version)
+                if path is None:
+                    raise FileNotFoundError(f"version {m.version} is no longer built here")
+            elif step.route == "full":
+                path, changes = self.store.assemble(m), None
+            else:
+                assert previous is not None
+                try:
+                    path, more = self.store.build_patched(m, previous)
+                except TensorMismatch:
+                    self.store.unbuild(previous.version)  # its bits are not what the patch was made against
+                    raise
+                changes = changes.then(more) if changes is not None and more is not None else None
+            previous = m
+        assert path is not None
+        return path, changes
+
+    async def _resume(self) -> None:
+        """Start from the newest version this store can build without fetching anything."""
+        for mid, m in self.store.manifests()[:8]:
+            if self.store.built(m) is None and not self.store.complete(m):
+                continue
+            steps = await plan(self.store, mid, m)
+            if steps is None or plan_bytes(steps) > 0:
+                continue
+            try:
+                path, _ = await trio.to_thread.run_sync(self.build, steps)
+            except (PatchError, BadChunk, FileNotFoundError) as exc:
+                log.warning("version %d on disk is not usable (%s)", m.version, exc)
+                continue
+            await self._activate(mid, m, path)
+            return
+
+    def _poke_later(self, version: int) -> None:
+        async def poke() -> None:
+            await trio.sleep(self.settings.poll_interval)
+            if self.target is not None and self.target[0] == version and self.current < version:
+                self._target_changed.set()
+
+        self._nursery.start_soon(poke)
+
     async def _download_loop(self) -> None:
         while True:
             await self._target_changed.wait()
             self._target_changed = trio.Event()
             version, mid, manifest = self.target
-            s = self.settings
-            download = Download(
-                self.swarm.host,
-                self.store,
-                manifest,
-                mid,
-                self.trainer_id,
-                self.peers,
-                self.strikes,
-                workers_per_peer=s.workers_per_peer,
-                have_interval=s.have_interval,
-                request_timeout=s.request_timeout,
-                min_rate=s.min_rate,
-            )
+            if version <= self.current:
+                continue
+            steps = await plan(self.store, mid, manifest, self.fetch_manifest)
+            if steps is None:
+                log.warning("no route to version %d yet (a link of its chain is out of reach); asking again", version)
+                self._poke_later(version)
+                continue
+            self.last_plan = [(st.manifest.version, st.route, st.cost) for st in steps]
+            download = PlanDownload([self._new_download(st) for st in steps if st.route != "built"])
             self.download = download
             with trio.CancelScope() as scope:
                 async with trio.open_nursery() as nursery:
@@ -194,9 +348,22 @@ class WeightSync:
                 self._cancelled_in_a_row += 1
                 continue
             self._cancelled_in_a_row = 0
-            await self._activate(mid, manifest)
+            try:
+                path, changes = await trio.to_thread.run_sync(self.build, steps)
+            except (PatchError, BadChunk, FileNotFoundError) as exc:
+                self.bad_links += 1
+                failures = self._build_failures[mid] = self._build_failures.get(mid, 0) + 1
+                log.warning("version %d not built (%s); %s", version, exc, "fetching again" if failures < 3 else "")
+                if failures < BUILD_RETRIES:
+                    self._target_changed.set()  # plan again: the bad chunk is gone, the suspect parent unbuilt
+                else:
+                    self._poke_later(version)
+                continue
+            for st in steps:
+                self.routes[st.route] += 1
+            await self._activate(mid, manifest, path, changes)
 
-    async def _cancel_on_newer(self, download: Download, version: int, scope: trio.CancelScope) -> None:
+    async def _cancel_on_newer(self, download: PlanDownload, version: int, scope: trio.CancelScope) -> None:
         """A newer target cancels this download (chunks already stored are kept for the next one), unless it
         is mostly done or the previous download was cancelled too: where the trainer publishes faster than a
         link moves a version, cancelling every time would leave the node holding nothing usable, forever.
@@ -215,9 +382,16 @@ class WeightSync:
                 scope.cancel()
                 return
 
-    async def _activate(self, mid: bytes, manifest: w.Manifest) -> None:
-        path = await trio.to_thread.run_sync(self.store.assemble, manifest)
-        await self.on_version(manifest.version, path)
+    async def _activate(
+        self, mid: bytes, manifest: w.Manifest, path: Path | None = None, changes: WeightChanges | None = None
+    ) -> None:
+        if path is None:
+            path = await trio.to_thread.run_sync(self.store.assemble, manifest)
+        if changes is not None and self._takes_changes and changes.base != changes.version:
+            await self.on_version(manifest.version, path, changes=changes)
+        else:
+            await self.on_version(manifest.version, path)
+        self._build_failures.pop(mid, None)
         self.current = manifest.version
         heard = self.heard_at.pop(manifest.version, None)
         if heard is not None:

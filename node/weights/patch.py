@@ -1,0 +1,402 @@
+"""Versions as sparse patches of their parent's weights file: which element bits changed, and how they changed.
+
+numpy and the stdlib only (samplers import no torch). Every tensor is compared as unsigned integers of its element
+width (a bf16 weight is its 16 bits), so a patch is exact by construction, whatever the dtype. The wire format is
+specified in protocols/weights.py; in short, per changed tensor:
+
+- index stream: the changed positions as LEB128 varints of the gaps between them, or a bitmap when that is shorter
+  (dense changes, e.g. a high learning rate);
+- value stream: LEB128 of zigzag(new bits - old bits), signed modulo 2^width. An RL step moves a bf16 weight by one
+  or two units in the last place, so most values are one byte with a handful of distinct values;
+- each stream compressed on its own (zlib by default, lzma optional), so the compressor sees like with like.
+
+``build_patch`` runs on the trainer (parent file vs new file, both memory-mapped, tensor by tensor in blocks);
+``apply_patch`` on a sampler: copy the parent's file, write the changed elements in place, then check the header
+and EVERY tensor against the manifest's blake3 hashes before anything uses the result.
+"""
+
+from __future__ import annotations
+
+import json
+import lzma
+import shutil
+import struct
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import blake3
+import numpy as np
+
+from protocols.errors import ProtocolError
+from protocols.weights import (
+    ELEMENT_WIDTHS,
+    INDEX_BITMAP,
+    INDEX_GAPS,
+    PATCH_CODECS,
+    Manifest,
+    TensorDelta,
+    TensorEntry,
+)
+
+BLOCK = 1 << 24  # elements compared at a time (bounds the trainer's memory on very large tensors)
+UINTS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+INTS = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+ZLIB_LEVEL = 6
+LZMA_PRESET = 6
+
+
+class PatchError(ProtocolError):
+    """A patch that cannot be applied: its parent's bits are not the ones it was made against, or its data is
+    malformed. Nothing built from it is used."""
+
+    code = "bad_patch"
+
+
+class TensorMismatch(PatchError):
+    """The rebuilt file does not hash to what the signed manifest says (a wrong parent, or a corrupted file)."""
+
+    code = "tensor_mismatch"
+
+
+@dataclass
+class WeightChanges:
+    """What changed from version ``base`` to ``version``: flat element positions per tensor name (ascending)."""
+
+    base: int
+    version: int
+    indices: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def count(self) -> int:
+        return sum(len(v) for v in self.indices.values())
+
+    def then(self, later: WeightChanges) -> WeightChanges:
+        """These changes followed by ``later`` (which must start where these end)."""
+        if later.base != self.version:
+            raise ValueError("changes do not chain")
+        merged = dict(self.indices)
+        for name, idx in later.indices.items():
+            merged[name] = np.union1d(merged[name], idx) if name in merged else idx
+        return WeightChanges(self.base, later.version, merged)
+
+
+@dataclass
+class BuiltPatch:
+    blob: bytes
+    deltas: list[TensorDelta]
+    header_hash: bytes
+    weights_size: int
+    hashes: list[bytes]  # blake3 of every tensor of the new file, in layout order
+    changed: int  # elements changed in all
+    elements: int  # elements in all
+
+    @property
+    def size(self) -> int:
+        return len(self.blob)
+
+
+# -- safetensors layout ---------------------------------------------------------------------------------------
+def read_layout(path: Path) -> tuple[bytes, list[TensorEntry]]:
+    """(header bytes up to the data, tensors sorted by offset with absolute offsets) of a safetensors file."""
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) != 8:
+            raise PatchError(f"{path} is not a safetensors file")
+        (n,) = struct.unpack("<Q", head)
+        if n > 100 << 20:
+            raise PatchError(f"{path}: safetensors header too large")
+        raw = fh.read(n)
+    try:
+        header = json.loads(raw)
+    except ValueError:
+        raise PatchError(f"{path}: unreadable safetensors header") from None
+    start = 8 + n
+    tensors = []
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        a, b = meta["data_offsets"]
+        tensors.append(TensorEntry(name, meta["dtype"], list(meta["shape"]), start + a, b - a))
+    tensors.sort(key=lambda t: t.offset)
+    return head + raw, tensors
+
+
+def same_layout(a: list[TensorEntry], b: list[TensorEntry]) -> bool:
+    key = lambda t: (t.name, t.dtype, list(t.shape), t.offset, t.nbytes)  # noqa: E731
+    return len(a) == len(b) and all(key(x) == key(y) for x, y in zip(a, b, strict=True))
+
+
+def tiles(header_len: int, tensors: list[TensorEntry], size: int) -> bool:
+    """Whether the tensors cover the file after its header exactly, in order (so header + tensors = every byte)."""
+    pos = header_len
+    for t in tensors:
+        if t.offset != pos:
+            return False
+        pos += t.nbytes
+    return pos == size
+
+
+def width_of(t: TensorEntry) -> int | None:
+    n = t.numel
+    if n == 0 or t.nbytes % n or t.nbytes // n not in ELEMENT_WIDTHS:
+        return None
+    return t.nbytes // n
+
+
+def digest(data) -> bytes:
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO) if len(data) > (4 << 20) else blake3.blake3()
+    h.update(data)
+    return h.digest()
+
+
+def hash_weights(path: Path, tensors: list[TensorEntry]) -> tuple[bytes, list[bytes]]:
+    """(blake3 of the header region, blake3 of every tensor) of a weights file with this layout."""
+    if not tensors:
+        return digest(Path(path).read_bytes()), []
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    try:
+        view = memoryview(mm)
+        return digest(view[: tensors[0].offset]), [digest(view[t.offset : t.offset + t.nbytes]) for t in tensors]
+    finally:
+        del mm
+
+
+# -- varints --------------------------------------------------------------------------------------------------
+def leb128_encode(values: np.ndarray) -> bytes:
+    """Unsigned LEB128 of every value (uint64), concatenated; vectorised."""
+    v = np.ascontiguousarray(values, dtype=np.uint64)
+    if v.size == 0:
+        return b""
+    top = int(v.max())
+    if top < 0x80:
+        return v.astype(np.uint8).tobytes()
+    nbytes = np.ones(v.size, dtype=np.int8)
+    for k in range(1, (top.bit_length() + 6) // 7):
+        nbytes += v >= np.uint64(1) << np.uint64(7 * k)
+    nbytes = nbytes.astype(np.int64)
+    ends = np.cumsum(nbytes)
+    starts = ends - nbytes
+    out = np.empty(int(ends[-1]), dtype=np.uint8)
+    for k in range(int(nbytes.max())):
+        sel = nbytes > k
+        part = (v[sel] >> np.uint64(7 * k)) & np.uint64(0x7F)
+        more = (nbytes[sel] > k + 1).astype(np.uint64) << np.uint64(7)
+        out[starts[sel] + k] = (part | more).astype(np.uint8)
+    return out.tobytes()
+
+
+def leb128_decode(data: bytes, count: int, max_bytes: int = 10) -> np.ndarray:
+    """Exactly ``count`` LEB128 values (uint64) filling ``data``; each at most ``max_bytes`` long."""
+    b = np.frombuffer(data, dtype=np.uint8)
+    if count == 0:
+        if b.size:
+            raise PatchError("trailing bytes after the varints")
+        return np.zeros(0, dtype=np.uint64)
+    if b.size == 0 or b[-1] >= 0x80:
+        raise PatchError("truncated varint stream")
+    if b.size == count:  # all single bytes (then all are < 0x80, as there are ``count`` ends at most)
+        if b.max() >= 0x80:
+            raise PatchError(f"expected {count} varints")
+        return b.astype(np.uint64)
+    ends = np.flatnonzero(b < 0x80)
+    if ends.size != count:
+        raise PatchError(f"expected {count} varints, found {ends.size}")
+    starts = np.empty_like(ends)
+    starts[0] = 0
+    starts[1:] = ends[:-1] + 1
+    lengths = ends - starts + 1
+    if lengths.max() > max_bytes:
+        raise PatchError("varint too long")
+    group = np.repeat(np.arange(count), lengths)
+    k = np.arange(b.size) - starts[group]
+    if max_bytes == 10 and np.any((lengths == 10) & (b[ends] > 1)):
+        raise PatchError("varint overflows 64 bits")
+    parts = (b & 0x7F).astype(np.uint64) << (7 * k).astype(np.uint64)
+    return np.bitwise_or.reduceat(parts, starts)
+
+
+def zigzag(d: np.ndarray) -> np.ndarray:
+    d = d.astype(np.int64)
+    return ((d << np.int64(1)) ^ (d >> np.int64(63))).view(np.uint64)
+
+
+def unzigzag(u: np.ndarray) -> np.ndarray:
+    u = u.astype(np.uint64)
+    return ((u >> np.uint64(1)) ^ (np.uint64(0) - (u & np.uint64(1)))).view(np.int64)
+
+
+# -- compression ------------------------------------------------------------------------------------------------
+def compress(codec: str, raw: bytes) -> bytes:
+    if codec == "zlib":
+        return zlib.compress(raw, ZLIB_LEVEL)
+    if codec == "lzma":
+        return lzma.compress(raw, preset=LZMA_PRESET)
+    raise ValueError(f"unknown patch codec {codec!r}")
+
+
+def decompress(codec: str, data: bytes, limit: int) -> bytes:
+    """At most ``limit`` bytes out of ``data`` (a bomb stops there), which must be one complete stream."""
+    if codec not in PATCH_CODECS:
+        raise PatchError(f"unknown patch codec {codec!r}")
+    d = zlib.decompressobj() if codec == "zlib" else lzma.LZMADecompressor()
+    try:
+        out = d.decompress(data, limit + 1)
+    except (zlib.error, lzma.LZMAError) as exc:
+        raise PatchError(f"undecodable {codec} stream: {exc}") from None
+    if len(out) > limit or not d.eof or (codec == "zlib" and d.unconsumed_tail) or d.unused_data:
+        raise PatchError(f"{codec} stream is longer than its delta allows, or truncated")
+    return out
+
+
+# -- one tensor -----------------------------------------------------------------------------------------------------
+def diff_tensor(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(changed positions int64, new - old as signed integers of the element width) of two unsigned views."""
+    idx_parts, d_parts = [], []
+    signed = INTS[old.dtype.itemsize]
+    for a in range(0, old.size, BLOCK):
+        o, n = old[a : a + BLOCK], new[a : a + BLOCK]
+        hit = np.flatnonzero(o != n)
+        if hit.size:
+            idx_parts.append(hit + a)
+            d_parts.append((n[hit] - o[hit]).view(signed))  # wraps modulo 2^width: exact in both directions
+    if not idx_parts:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    return np.concatenate(idx_parts).astype(np.int64), np.concatenate(d_parts).astype(np.int64)
+
+
+def encode_indices(idx: np.ndarray, numel: int) -> tuple[int, bytes]:
+    gaps = np.diff(idx, prepend=-1) - 1
+    varints = leb128_encode(gaps.astype(np.uint64))
+    bitmap_len = (numel + 7) // 8
+    if len(varints) <= bitmap_len:
+        return INDEX_GAPS, varints
+    bitmap = np.bincount(idx >> 3, weights=(1 << (idx & 7)).astype(np.float64), minlength=bitmap_len)
+    return INDEX_BITMAP, bitmap.astype(np.uint8).tobytes()
+
+
+def decode_indices(mode: int, raw: bytes, changed: int, numel: int) -> np.ndarray:
+    if mode == INDEX_GAPS:
+        gaps = leb128_decode(raw, changed, 6)  # positions below 2^42
+        idx = np.cumsum(gaps.astype(np.int64) + 1) - 1
+    elif mode == INDEX_BITMAP:
+        bm = np.frombuffer(raw, dtype=np.uint8)
+        if bm.size != (numel + 7) // 8:
+            raise PatchError("bitmap length does not match the tensor")
+        nz = np.flatnonzero(bm)
+        bits = np.unpackbits(bm[nz][:, None], axis=1, bitorder="little").astype(bool)
+        idx = (nz[:, None] * 8 + np.arange(8))[bits]
+        if idx.size != changed:
+            raise PatchError("bitmap does not hold the announced number of changes")
+    else:
+        raise PatchError(f"unknown index mode {mode}")
+    if idx.size and (idx[0] < 0 or idx[-1] >= numel):
+        raise PatchError("changed position outside the tensor")
+    return idx
+
+
+def index_limit(mode: int, changed: int, numel: int) -> int:
+    return 6 * changed if mode == INDEX_GAPS else (numel + 7) // 8
+
+
+def value_limit(width: int, changed: int) -> int:
+    return -(-8 * width // 7) * changed
+
+
+# -- whole files ----------------------------------------------------------------------------------------------------
+def build_patch(old_path: Path, new_path: Path, codec: str = "zlib") -> BuiltPatch | None:
+    """The patch from ``old_path`` to ``new_path`` (safetensors files), or None when they cannot be patched one into
+    the other (another layout or header, or a changed tensor of an unsupported element width)."""
+    old_head, old_tensors = read_layout(old_path)
+    new_head, new_tensors = read_layout(new_path)
+    old_size, new_size = Path(old_path).stat().st_size, Path(new_path).stat().st_size
+    if old_head != new_head or not same_layout(old_tensors, new_tensors) or old_size != new_size:
+        return None
+    if not new_tensors or not tiles(len(new_head), new_tensors, new_size):
+        return None
+    old_mm = np.memmap(old_path, dtype=np.uint8, mode="r")
+    new_mm = np.memmap(new_path, dtype=np.uint8, mode="r")
+    try:
+        new_view = memoryview(new_mm)
+        parts: list[bytes] = []
+        deltas: list[TensorDelta] = []
+        hashes: list[bytes] = []
+        changed = elements = 0
+        for i, t in enumerate(new_tensors):
+            hashes.append(digest(new_view[t.offset : t.offset + t.nbytes]))
+            width = width_of(t)
+            elements += t.numel
+            if width is None:
+                span = slice(t.offset, t.offset + t.nbytes)
+                if t.nbytes and not np.array_equal(old_mm[span], new_mm[span]):
+                    return None
+                continue
+            u = UINTS[width]
+            old = old_mm[t.offset : t.offset + t.nbytes].view(u)
+            new = new_mm[t.offset : t.offset + t.nbytes].view(u)
+            idx, d = diff_tensor(old, new)
+            if idx.size == 0:
+                continue
+            mode, raw_idx = encode_indices(idx, t.numel)
+            idx_stream = compress(codec, raw_idx)
+            val_stream = compress(codec, leb128_encode(zigzag(d)))
+            parts += [idx_stream, val_stream]
+            deltas.append(TensorDelta(i, int(idx.size), mode, len(idx_stream), len(val_stream)))
+            changed += int(idx.size)
+        header_hash = digest(new_head)
+    finally:
+        del old_mm, new_mm
+    return BuiltPatch(b"".join(parts), deltas, header_hash, new_size, hashes, changed, elements)
+
+
+def apply_patch(parent_path: Path, out_path: Path, manifest: Manifest, blob: bytes) -> WeightChanges:
+    """Write ``manifest``'s weights file to ``out_path``: ``parent_path`` (its parent's) with the patch ``blob``
+    applied, then check the header and every tensor against the manifest's hashes (TensorMismatch if any differs).
+    Returns the changed positions per tensor."""
+    patch = manifest.patch
+    if patch is None:
+        raise PatchError(f"version {manifest.version} is not a patch")
+    if len(blob) != patch.size:
+        raise PatchError("patch blob has the wrong size")
+    head, layout = read_layout(parent_path)
+    if Path(parent_path).stat().st_size != patch.weights_size:
+        raise TensorMismatch("the parent's weights file has another size than the patch expects")
+    if not same_layout(layout, manifest.tensors):
+        raise TensorMismatch("the parent's weights file has another layout than the patch expects")
+    if digest(head) != patch.header_hash:
+        raise TensorMismatch("the parent's safetensors header differs from the patch's")
+    out_path = Path(out_path)
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    shutil.copyfile(parent_path, tmp)
+    changes = WeightChanges(manifest.parent, manifest.version)
+    mm = np.memmap(tmp, dtype=np.uint8, mode="r+")
+    try:
+        pos = 0
+        for delta in patch.deltas:
+            t = manifest.tensors[delta.tensor]
+            width = width_of(t)
+            if width is None:  # the schema refuses these; never trust that alone
+                raise PatchError(f"tensor {t.name!r} cannot be patched")
+            a, b = pos, pos + delta.index_len
+            c = b + delta.value_len
+            pos = c
+            raw_idx = decompress(patch.codec, blob[a:b], index_limit(delta.index_mode, delta.changed, t.numel))
+            idx = decode_indices(delta.index_mode, raw_idx, delta.changed, t.numel)
+            raw_val = decompress(patch.codec, blob[b:c], value_limit(width, delta.changed))
+            d = unzigzag(leb128_decode(raw_val, delta.changed, -(-8 * width // 7)))
+            u = UINTS[width]
+            view = mm[t.offset : t.offset + t.nbytes].view(u)
+            view[idx] = view[idx] + d.astype(INTS[width]).view(u)  # unsigned: wraps modulo 2^width
+            changes.indices[t.name] = idx
+        mm.flush()
+        header_hash, hashes = hash_weights(tmp, manifest.tensors)
+    finally:
+        del mm
+    bad = [t.name for t, h in zip(manifest.tensors, hashes, strict=True) if h != t.hash]
+    if header_hash != patch.header_hash or bad:
+        tmp.unlink(missing_ok=True)
+        raise TensorMismatch(
+            f"version {manifest.version} rebuilt from {manifest.parent} fails its hashes "
+            f"({len(bad)} tensors: {bad[:3]})"
+        )
+    tmp.replace(out_path)
+    return changes
