@@ -47,6 +47,23 @@ def add_node_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--rollout-timeout", type=float, default=None, help="seconds for one rollout submission (both sides)"
     )
+    p.add_argument(
+        "--relay",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="offer circuit relay reservations to peers behind NATs when this node is public "
+        "(default: on for trainer and bootstrap, off for samplers)",
+    )
+    p.add_argument("--relay-slots", type=int, default=None, help="relay reservations held at once (default: 64)")
+    p.add_argument(
+        "--relay-circuit-bytes", type=int, default=None, help="bytes one relayed circuit may carry (default: 4 MiB)"
+    )
+    p.add_argument(
+        "--relay-circuit-seconds", type=int, default=None, help="seconds one relayed circuit may live (default: 300)"
+    )
+    p.add_argument(
+        "--reachability-interval", type=float, default=None, help="seconds between reachability checks (default: 60)"
+    )
     p.add_argument("-v", "--verbose", action="store_true")
     add_flags(p)
 
@@ -73,6 +90,11 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
         "rollout_timeout": args.rollout_timeout,
         "psk": load_swarm_key(args.psk_file) if args.psk_file else None,
         "allow": frozenset(parse_peer_id(a, "--allow") for a in args.allow) if args.allow else None,
+        "relay": args.relay,
+        "relay_slots": args.relay_slots,
+        "relay_circuit_bytes": args.relay_circuit_bytes,
+        "relay_circuit_seconds": args.relay_circuit_seconds,
+        "reachability_interval": args.reachability_interval,
     }
     return config.with_overrides(**overrides)
 

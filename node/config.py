@@ -60,6 +60,11 @@ class NodeConfig:
     rollout_timeout: float = 120.0  # one limit for a rollout submission, on both sides of the stream
     psk: str | None = None  # private swarm key (64 hex digits), from swarm.psk_file / --psk-file
     allow: frozenset[ID] | None = None  # only these peers may connect (None: anyone)
+    relay: bool | None = None  # offer circuit relay reservations when public (None: trainer and bootstrap do)
+    relay_slots: int = 64  # reservations a relay holds at once
+    relay_circuit_bytes: int = 4 << 20  # bytes one relayed circuit may carry before the relay resets it
+    relay_circuit_seconds: int = 300  # seconds one relayed circuit may live
+    reachability_interval: float = 60.0  # seconds between dial-back checks of this node's reachability
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -104,7 +109,8 @@ def swarm_values(data: dict[str, Any], path: Path) -> dict[str, Any]:
     swarm = data.get("swarm", {})
     if not isinstance(swarm, dict):
         raise UserError(f"{path}: [swarm] must be a table")
-    unknown = set(swarm) - {"name", "bootstrap", "trainer", "psk_file", "allow"}
+    relay_keys = {"relay": bool, "relay_slots": int, "relay_circuit_bytes": int, "relay_circuit_seconds": int}
+    unknown = set(swarm) - {"name", "bootstrap", "trainer", "psk_file", "allow", *relay_keys}
     if unknown:
         raise UserError(f"{path}: unknown keys in [swarm]: {', '.join(sorted(unknown))}")
     out: dict[str, Any] = {}
@@ -132,6 +138,12 @@ def swarm_values(data: dict[str, Any], path: Path) -> dict[str, Any]:
         if not isinstance(swarm["allow"], list) or not all(isinstance(x, str) for x in swarm["allow"]):
             raise UserError(f"{path}: swarm.allow must be a list of peer id strings")
         out["allow"] = frozenset(parse_peer_id(x, f"{path} swarm.allow") for x in swarm["allow"])
+    for key, kind in relay_keys.items():  # what a relay operator sets (README: "Behind a NAT")
+        if key in swarm:
+            if not isinstance(swarm[key], kind) or (kind is int and (isinstance(swarm[key], bool) or swarm[key] < 0)):
+                what = "boolean" if kind is bool else "non-negative integer"
+                raise UserError(f"{path}: swarm.{key} must be a {what}")
+            out[key] = swarm[key]
     return out
 
 

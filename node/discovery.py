@@ -79,6 +79,28 @@ async def provide_forever(swarm: Swarm, key: str, interval: float) -> None:
         await trio.sleep(interval if ok else min(interval, 2.0))
 
 
+async def _ask_trusted(swarm: Swarm, cid: str) -> list[PeerInfo]:
+    """Providers as the connected bootstrap peers / trainer know them. py-libp2p's find_providers answers from the
+    local store alone once it holds any record, and a node behind a NAT receives records only from the peers it
+    is connected to: without this, NATed peers never learn of each other (node/reachability.py)."""
+    if swarm.reach is None:
+        return []
+    from libp2p.kad_dht.kad_dht import _encode_key
+
+    out: list[PeerInfo] = []
+    connected = set(swarm.host.get_connected_peers())
+    for peer in [p for p in swarm.reach.options.trusted if p in connected][:2]:
+        with trio.move_on_after(5.0):
+            try:
+                providers, _ = await swarm.dht.provider_store._get_providers_from_peer_with_closers(
+                    peer, _encode_key(cid)
+                )
+                out += providers
+            except Exception as exc:
+                log.debug("providers of %s from %s: %s", cid, peer, exc)
+    return out
+
+
 async def find_role(swarm: Swarm, key: str, timeout: float = 10.0) -> list[PeerInfo]:
     """Providers of the readable role key ``key`` (looked up as ``dht_key(key)``) other than ourselves, one entry
     per peer (the DHT may repeat them)."""
@@ -89,6 +111,7 @@ async def find_role(swarm: Swarm, key: str, timeout: float = 10.0) -> list[PeerI
         except Exception as exc:
             log.info("find_providers %s (%s) failed: %s", key, cid, exc)
             return []
+        found = list(found) + await _ask_trusted(swarm, cid)
         unique: dict[str, PeerInfo] = {}
         for info in found:
             if info.peer_id != swarm.peer_id:

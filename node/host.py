@@ -2,6 +2,9 @@
 
 Plaintext and secio are in py-libp2p's default security list, so the transports are given explicitly.
 The DHT does not add connected peers to its routing table by itself; ``feed_routing_table`` does that.
+With ``reach`` options (every node the runtime starts), the swarm also learns whether it is reachable, relays
+for others, reserves relay slots when it is behind a NAT, and hole-punches relayed connections
+(node/reachability.py): ``connect`` then falls back to a relay when a direct dial fails.
 """
 
 from __future__ import annotations
@@ -30,12 +33,15 @@ from libp2p.tools.anyio_service import background_trio_service
 from node import libp2p_patches
 from node.errors import UserError
 from node.private import PeerGate
+from node.reachability import Reachability, ReachOptions, is_relayed_addr, open_reachability, patch_libp2p
 
 log = logging.getLogger(__name__)
+DIRECT_DIAL_TIMEOUT = 4.0  # seconds for a direct dial to a peer that also advertises a relay address
 
 
 def build_host(key_pair: KeyPair, psk: str | None = None) -> IHost:
     libp2p_patches.apply()  # yamux read-loop deadlock and inbound-slot leak in libp2p 0.8.1: see that module
+    patch_libp2p()  # TCP must not claim /p2p-circuit addresses: see node/reachability.py
     noise = NoiseTransport(key_pair, noise_privkey=create_x25519_key_pair().private_key)
     return new_host(
         key_pair=key_pair,
@@ -53,6 +59,7 @@ class Swarm:
     dht: KadDHT
     gossip: Any = None  # node.weights.gossip.Gossip, attached by the runtime
     gate: PeerGate = field(default_factory=lambda: PeerGate(None))
+    reach: Reachability | None = None  # set by open_reachability
 
     @property
     def peer_id(self) -> ID:
@@ -73,9 +80,63 @@ class Swarm:
             return
         if not self.gate.allows(info.peer_id):
             raise UserError(f"{info.peer_id} is not on this swarm's allow-list")
-        with trio.fail_after(timeout):
-            await self.host.connect(info)
+        if self.reach is None:
+            with trio.fail_after(timeout):
+                await self.host.connect(info)
+        elif not self.reach.has_direct(info.peer_id):
+            await self._connect_direct_or_relayed(info, timeout)
         await self.dht.add_peer(info.peer_id)
+
+    async def _connect_direct_or_relayed(self, info: PeerInfo, timeout: float) -> None:
+        """A direct dial first (briefly when the peer advertises a relay address), then through a relay."""
+        assert self.reach is not None
+        relayed = any(is_relayed_addr(a) for a in info.addrs) or bool(self.reach.kinds(info.peer_id))
+        direct = [a for a in info.addrs if not is_relayed_addr(a)]
+        if not relayed:
+            trusted = info.peer_id in self.reach.options.trusted
+            try:
+                with trio.fail_after(timeout if trusted else min(timeout, 2 * DIRECT_DIAL_TIMEOUT)):
+                    await self.host.connect(info)
+                return
+            except Exception as exc:
+                if trusted:
+                    raise  # relays are for peers behind NATs, not for the bootstrap nodes and the trainer
+                direct_error = exc
+            try:
+                await self.reach.dial_relayed(info, timeout)
+            except Exception as exc:
+                why = f"direct dial failed ({direct_error}), relay too ({exc})"
+                raise ConnectionError(f"{info.peer_id}: {why}") from None
+            return
+        if direct:
+            self.host.get_peerstore().add_addrs(info.peer_id, direct, 600)
+        network = self.host.get_network()
+        error = None
+        with trio.move_on_after(min(timeout, DIRECT_DIAL_TIMEOUT)):
+            for addr in direct:
+                try:
+                    await network.dial_addr(addr, info.peer_id)
+                    return
+                except Exception as exc:
+                    error = exc
+        if self.reach.kinds(info.peer_id):
+            return  # relayed already: hole punching will try to make it direct
+        try:
+            await self.reach.dial_relayed(info, timeout)
+        except Exception as exc:
+            raise ConnectionError(f"{info.peer_id}: direct dial failed ({error}), relay too ({exc})") from None
+
+    def chunk_peers(self) -> list[ID]:
+        """Peers to ask for weight chunks: those with a direct connection. A peer reachable only through a relay
+        is asked only when no other peer is (relays cap every circuit's bytes: a last resort, not a path)."""
+        peers = [p for p in self.host.get_connected_peers() if p != self.peer_id]
+        if self.reach is None:
+            return peers
+        direct = [p for p in peers if self.reach.has_direct(p)]
+        return direct if len(direct) >= 2 else peers
+
+    def status(self) -> dict[str, Any]:
+        return self.reach.status() if self.reach is not None else {}
 
     async def feed_routing_table(self, interval: float) -> None:
         """Add every connected peer to the DHT routing table, forever (py-libp2p won't do it)."""
@@ -94,8 +155,10 @@ async def open_swarm(
     listen: multiaddr.Multiaddr,
     psk: str | None = None,
     allow: frozenset[ID] | None = None,
+    reach: ReachOptions | None = None,
 ) -> AsyncIterator[Swarm]:
-    """A running host + DHT. ``psk`` makes the swarm private; ``allow`` admits only those peer ids."""
+    """A running host + DHT. ``psk`` makes the swarm private; ``allow`` admits only those peer ids; ``reach``
+    turns on reachability checks, relaying and hole punching (node/reachability.py)."""
     host = build_host(key_pair, psk=psk)
     gate = PeerGate(allow)
     gate.install(host)
@@ -106,7 +169,12 @@ async def open_swarm(
     async with run:
         dht = KadDHT(host, DHTMode.SERVER, max_peers_per_subnet=0)
         async with background_trio_service(dht):
-            yield Swarm(host, dht, gate=gate)
+            swarm = Swarm(host, dht, gate=gate)
+            if reach is None:
+                yield swarm
+                return
+            async with open_reachability(swarm, reach):
+                yield swarm
 
 
 async def join_bootstrap(swarm: Swarm, addrs: tuple[multiaddr.Multiaddr, ...], timeout: float) -> int:

@@ -8,11 +8,13 @@ import sys
 from typing import Any, Protocol
 
 import trio
+from libp2p.peer.id import ID
 
 from node.config import NodeConfig
 from node.errors import UserError
 from node.host import Swarm, join_bootstrap, open_swarm
 from node.identity import load_or_create_key, peer_id_of
+from node.reachability import ReachOptions
 from node.status import status_line, write_status
 from node.weights.gossip import open_gossip
 
@@ -35,16 +37,42 @@ def peak_rss_mb() -> float:
     return round(peak / (1 << 20 if sys.platform == "darwin" else 1 << 10), 1)
 
 
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return round(usage.ru_utime + usage.ru_stime, 2)
+
+
 def node_status(config: NodeConfig, swarm: Swarm, role: Role) -> dict[str, Any]:
     return {
         "peak_rss_mb": peak_rss_mb(),
+        "cpu_seconds": cpu_seconds(),
         "role": role.name,
         "peer_id": str(swarm.peer_id),
         "addrs": [str(a) for a in swarm.addrs()],
         "peers": len(swarm.host.get_connected_peers()),
         "routing": swarm.dht.get_routing_table_size(),
+        **swarm.status(),  # reachability, connection paths, relay use (node/reachability.py)
         **role.status(),
     }
+
+
+def reach_options(config: NodeConfig) -> ReachOptions:
+    """Reachability for a node: the bootstrap peers and the trainer are asked for dial-backs and used as relays."""
+    trusted = {ID.from_base58(a.get_peer_id()) for a in config.bootstrap if a.get_peer_id()}
+    if config.trainer_id is not None:
+        trusted.add(config.trainer_id)
+    infrastructure = config.role in ("trainer", "bootstrap")
+    return ReachOptions(
+        swarm_name=config.swarm,
+        trusted=frozenset(trusted),
+        relay=infrastructure if config.relay is None else config.relay,
+        relay_slots=config.relay_slots,
+        relay_circuit_bytes=config.relay_circuit_bytes,
+        relay_circuit_seconds=config.relay_circuit_seconds,
+        check_interval=config.reachability_interval,
+        provide_interval=config.provide_interval,
+        assume_public=infrastructure,
+    )
 
 
 async def run_node(config: NodeConfig, role: Role, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -52,7 +80,7 @@ async def run_node(config: NodeConfig, role: Role, *, task_status=trio.TASK_STAT
     key_pair = load_or_create_key(config.identity_path)
     allow = config.allowed_peers(peer_id_of(key_pair))
     async with (
-        open_swarm(key_pair, config.listen, psk=config.psk, allow=allow) as swarm,
+        open_swarm(key_pair, config.listen, psk=config.psk, allow=allow, reach=reach_options(config)) as swarm,
         open_gossip(swarm.host) as gossip,
     ):
         swarm.gossip = gossip

@@ -99,6 +99,7 @@ class SamplerRole:
             self.install_version,
             self.weight_settings,
         )
+        self.weights.peers = swarm.chunk_peers  # chunks over direct connections; relays only as a last resort
 
     async def install_version(self, version: int, path: Path, changes: Any = None) -> None:
         """First version: build the engine. Later ones: hot-swap (in place when ``changes`` say which elements of

@@ -1,0 +1,569 @@
+"""Reachability: is this node dialable from the internet, and how peers behind NATs reach each other.
+
+Three pieces, all on py-libp2p 0.8.1's own protocols (so other libp2p implementations interoperate):
+
+1. **Dial-backs (AutoNAT v1, ``/libp2p/autonat/1.0.0``).** Every node answers dial-back requests and asks the
+   trusted peers it knows (bootstrap nodes, the trainer) plus a few connected peers to dial it back. A node is
+   ``public`` once a peer reached it on a fresh connection, ``private`` once at least two (or every one it
+   could ask) failed to. ``swarmrl status`` shows it (``reachability``), and every change is logged.
+2. **Circuit relay v2 (``/libp2p/circuit/relay/0.2.0/hop|stop``).** The trainer and bootstrap nodes, and any
+   public node started with ``--relay``, accept reservations, with limits: ``relay_slots`` reservations at once,
+   ``relay_circuit_bytes`` and ``relay_circuit_seconds`` per circuit (the relay resets a circuit that exceeds
+   either). Public relays provide ``/swarmrl/<swarm>/relay`` in the DHT. A private node keeps reservations at
+   two relays and advertises ``<relay addr>/p2p/<relay>/p2p-circuit/p2p/<me>`` among its addresses (identify,
+   and the provider records it puts in the DHT), so a peer whose direct dial fails reaches it through a relay.
+3. **Hole punching (DCUtR, ``/libp2p/dcutr``).** A relayed connection is upgraded to a direct one: both sides
+   dial each other's observed address from their listen port at once (TCP simultaneous open), which gets
+   through endpoint-independent ("cone") NATs. Symmetric NATs give every connection a new outside port, so the
+   punch fails there and the pair stays relayed (control traffic only: see ``Swarm.chunk_peers``).
+
+What py-libp2p 0.8.1 gets wrong, and what this module does about it (each measured in tests/test_nat.py):
+
+- ``AutoNATService._try_dial`` calls ``host.connect``, which returns at once when a connection to the peer exists,
+  and the request itself arrives on one: every node was told it is reachable. ``DialBack._try_dial`` dials a
+  fresh connection (``Swarm.dial_addr``), checks the peer id (the Noise handshake does), then closes it.
+- The AutoNAT server dials only addresses whose IP equals the requester's observed IP, so a node listening on a
+  private or wildcard address (every node behind a NAT) is never dialed at all. ``DialBack`` dials the observed IP
+  at the advertised TCP ports instead (the same anti-amplification rule: it never dials anyone else's IP).
+- ``TCP.can_dial`` accepts ``/ip4/../tcp/../p2p/R/p2p-circuit/p2p/B`` (it only looks for "tcp"): the swarm then dials
+  the relay expecting B, fails with a peer id mismatch and *clears all of B's addresses*. ``patch_libp2p`` makes
+  TCP refuse circuit addresses; circuits are dialed by ``Reachability.dial_relayed`` only.
+- ``CircuitV2Protocol._read_stream_with_retry`` treats a yamux EOF as an unexpected error (it knows only mplex's)
+  and retries it with sleeps; ``RelayHop`` reads once and counts the bytes it relays.
+- DCUtR's auto-drive starts a hole punch from *both* ends of every relayed connection at once; two sessions then
+  race for the same source port. ``HolePunch`` lets one end drive (the lower peer id), like the spec's "the
+  peer that accepted the relayed connection".
+- ``CircuitV2Transport.dial`` with the CLIENT role reserves a slot at the relay before every dial; dials here use
+  a transport without that role, and reservations are made only by a private node for itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import multiaddr
+import trio
+from libp2p.abc import IHost, INetStream
+from libp2p.host.autonat.autonat import AUTONAT_PROTOCOL_ID, AutoNATService
+from libp2p.host.autonat.pb.autonat_pb2 import Message
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
+from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
+from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL_ID
+from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
+from libp2p.relay.circuit_v2.resources import RelayLimits
+from libp2p.relay.circuit_v2.transport import CircuitV2Transport
+from libp2p.tools.anyio_service import background_trio_service
+from libp2p.transport.tcp.tcp import TCP
+
+if TYPE_CHECKING:
+    from node.host import Swarm
+
+log = logging.getLogger(__name__)
+
+PUBLIC, PRIVATE, UNKNOWN = "public", "private", "unknown"
+DIAL_BACK_TIMEOUT = 5.0  # seconds for one dial-back (a NAT drops the SYN: no answer ever comes)
+DIAL_BACK_EVERY = 5.0  # a peer may ask us for a dial-back this often
+QUERY_TIMEOUT = 15.0
+RELAYS_WANTED = 2
+DIRECT_DIAL_TIMEOUT = 4.0  # before falling back to a relay
+RELAYED_GRACE = 5.0  # a relayed connection is closed this long after a direct one to the same peer is up
+MAX_READ = 1 << 16
+
+
+def is_relayed_addr(addr: Any) -> bool:
+    return "/p2p-circuit" in str(addr)
+
+
+# -- py-libp2p fixes ---------------------------------------------------------------------------------------------
+
+_patched = {"done": False}
+
+
+def patch_libp2p() -> None:
+    """TCP must not claim circuit addresses (see the module docstring). Idempotent."""
+    if _patched["done"]:
+        return
+    original = TCP.can_dial
+
+    def can_dial(self: TCP, maddr: multiaddr.Multiaddr) -> bool:
+        return not is_relayed_addr(maddr) and original(self, maddr)
+
+    TCP.can_dial = can_dial  # type: ignore[method-assign]
+    _patched["done"] = True
+
+
+class DialBack(AutoNATService):
+    """AutoNAT v1 server and client; the server dials a *fresh* connection to the requester's observed IP."""
+
+    def __init__(self, host: IHost) -> None:
+        super().__init__(host, serve=False)  # handler registered by Reachability (wrapped)
+        self._asked: dict[ID, float] = {}
+        self._slots = trio.Semaphore(4)
+
+    async def _handle_dial(self, message: Message, observed_ip: str | None, is_relayed: bool) -> Message:
+        peer = ID(message.dial.peer.id)
+        now = time.monotonic()
+        if now - self._asked.get(peer, -1e9) < DIAL_BACK_EVERY:
+            response = Message()
+            response.type = Message.DIAL_RESPONSE
+            response.dialResponse.status = Message.E_DIAL_REFUSED
+            response.dialResponse.statusText = "asked too often"
+            return response
+        self._asked[peer] = now
+        if len(self._asked) > 4096:
+            self._asked = {p: t for p, t in self._asked.items() if now - t < DIAL_BACK_EVERY}
+        return await super()._handle_dial(message, observed_ip, is_relayed)
+
+    @staticmethod
+    def _filter_by_observed_ip(addrs: list[bytes], observed_ip: str | None) -> list[bytes]:
+        """The requester's TCP ports, at the IP we see it at (never anyone else's IP); at most four."""
+        if observed_ip is None:
+            return []
+        family = "ip6" if ":" in observed_ip else "ip4"
+        out: list[bytes] = []
+        for raw in addrs:
+            try:
+                port = multiaddr.Multiaddr(raw).value_for_protocol("tcp")
+            except Exception:
+                continue
+            if not port:
+                continue
+            candidate = multiaddr.Multiaddr(f"/{family}/{observed_ip}/tcp/{port}").to_bytes()
+            if candidate not in out:
+                out.append(candidate)
+        return out[:4]
+
+    async def _try_dial(self, peer_id: ID, addrs: list[bytes]) -> bytes | None:
+        network = self.host.get_network()
+        async with self._slots:
+            for raw in addrs:
+                try:
+                    with trio.fail_after(DIAL_BACK_TIMEOUT):
+                        conn = await network.dial_addr(multiaddr.Multiaddr(raw), peer_id)
+                except Exception as exc:
+                    log.debug("dial-back to %s at %s failed: %s", peer_id, multiaddr.Multiaddr(raw), exc)
+                    continue
+                try:
+                    await conn.close()
+                except Exception:
+                    pass
+                return raw
+        return None
+
+
+class RelayHop(CircuitV2Protocol):
+    """Circuit relay v2, counting what it carries; a yamux EOF ends a circuit direction quietly."""
+
+    def __init__(self, host: IHost, limits: RelayLimits, allow_hop: bool) -> None:
+        super().__init__(host, limits=limits, allow_hop=allow_hop)
+        self.bytes_relayed = 0
+        self.circuits = 0
+
+    async def _read_stream_with_retry(self, stream: INetStream, max_retries: int = 0) -> bytes | None:
+        try:
+            data = await stream.read(MAX_READ)
+        except Exception:
+            return None
+        if not data:
+            return None
+        self.bytes_relayed += len(data)
+        return data
+
+    async def _handle_connect(self, stream: INetStream, msg: Any) -> None:
+        self.circuits += 1
+        await super()._handle_connect(stream, msg)
+
+
+class HolePunch(DCUtRProtocol):
+    """DCUtR with one driver per relayed pair (the lower peer id), and a record of what each attempt gave."""
+
+    def __init__(self, host: IHost) -> None:
+        super().__init__(host, dial_timeout=6)
+        self.punched: set[ID] = set()  # peers a hole punch connected us to directly
+        self.upgraded: set[ID] = set()  # relayed peers that turned out directly dialable
+        self.tried = 0
+        self.failed = 0
+
+    async def _auto_drive_loop(self) -> None:
+        me = str(self.host.get_id())
+        while True:
+            await trio.sleep(2.0)
+            network = self.host.get_network()
+            for peer_id, conns in list((getattr(network, "connections", {}) or {}).items()):
+                if str(peer_id) >= me or peer_id in self._in_progress:
+                    continue  # the other end drives this pair
+                if self._hole_punch_attempts.get(peer_id, 0) >= 3:
+                    continue
+                conns = conns if isinstance(conns, list) else [conns]
+                kinds = [_conn_kind(c) for c in conns]
+                if not kinds or any(k == "direct" for k in kinds):
+                    continue
+                assert self._nursery is not None
+                self._nursery.start_soon(self._drive_one, peer_id)
+
+    async def _drive_one(self, peer_id: ID) -> None:
+        try:
+            await self.initiate_hole_punch(peer_id)
+        except Exception as exc:
+            log.debug("hole punch with %s failed: %s", peer_id, exc)
+
+    async def _try_unilateral_upgrade(self, peer_id: ID) -> bool:
+        ok = await super()._try_unilateral_upgrade(peer_id)
+        if ok:
+            self.upgraded.add(peer_id)
+        return ok
+
+    async def _perform_hole_punch(self, peer_id: ID, addrs: list[multiaddr.Multiaddr], as_responder: bool = False):
+        self.tried += 1
+        ok = await super()._perform_hole_punch(peer_id, addrs, as_responder=as_responder)
+        if ok:
+            self.punched.add(peer_id)
+            log.info("hole punch with %s succeeded: direct connection", peer_id)
+        else:
+            self.failed += 1
+            log.info("hole punch with %s failed: staying relayed", peer_id)
+        return ok
+
+
+def _conn_kind(conn: Any) -> str:
+    try:
+        addrs = conn.get_transport_addresses()
+    except Exception:
+        return "direct"
+    return "relayed" if addrs and all(is_relayed_addr(a) for a in addrs) else "direct"
+
+
+# -- the node's reachability -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReachOptions:
+    """What a node does about reachability (from NodeConfig: ``--relay`` and the relay limits)."""
+
+    swarm_name: str = "swarmrl"
+    trusted: frozenset[ID] = frozenset()  # bootstrap peers and the trainer: asked for dial-backs, used as relays
+    relay: bool = False  # offer relay reservations (when public)
+    relay_slots: int = 64
+    relay_circuit_bytes: int = 4 << 20
+    relay_circuit_seconds: int = 300
+    relay_circuits_per_peer: int = 16
+    check_interval: float = 60.0
+    provide_interval: float = 30.0
+    assume_public: bool = False  # trainer/bootstrap: serve as relays before the first verdict
+
+
+@dataclass
+class Reservation:
+    relay: ID
+    expires: float
+    addrs: list[multiaddr.Multiaddr] = field(default_factory=list)
+
+
+class Reachability:
+    def __init__(self, swarm: Swarm, options: ReachOptions) -> None:
+        self.swarm = swarm
+        self.host = swarm.host
+        self.options = options
+        self.state = UNKNOWN
+        self.verdicts: dict[ID, bool] = {}
+        self.reservations: dict[ID, Reservation] = {}
+        limits = RelayLimits(
+            duration=options.relay_circuit_seconds,
+            data=options.relay_circuit_bytes,
+            max_circuit_conns=options.relay_circuits_per_peer,
+            max_reservations=options.relay_slots,
+            reservation_ttl=600,
+        )
+        self.hop = RelayHop(self.host, limits, allow_hop=options.relay)
+        self.client = CircuitV2Transport(self.host, self.hop, RelayConfig(roles=RelayRole.STOP, limits=limits))
+        self.dialback = DialBack(self.host)
+        self.punch = HolePunch(self.host)
+        self.first_seen: dict[ID, str] = {}  # peer -> how the first connection to it was made
+        self.relayed_since: dict[ID, float] = {}
+        self.relay_dials = 0
+        self._changed = trio.Event()
+
+    # -- addresses ------------------------------------------------------------------------------------------
+    def addrs_factory(self, candidates: Sequence[multiaddr.Multiaddr]) -> list[multiaddr.Multiaddr]:
+        """The direct addresses this node advertises: its listen addresses (observed ones too once public)."""
+        listen = {str(a) for a in self.host.get_transport_addrs()}
+        return [a for a in candidates if str(a) in listen or self.state == PUBLIC]
+
+    def get_addrs(self) -> list[multiaddr.Multiaddr]:
+        """``host.get_addrs`` (identify, DHT provider records) plus a circuit address through every relay that
+        holds a reservation for this node. (BasicHost.get_addrs strips everything from the first /p2p/ on, so
+        circuit addresses cannot come from the addrs factory.)"""
+        out = list(self._host_get_addrs())
+        now = time.time()
+        for res in self.reservations.values():
+            if res.expires > now:
+                out += [
+                    multiaddr.Multiaddr(f"{a}/p2p/{res.relay}/p2p-circuit/p2p/{self.swarm.peer_id}") for a in res.addrs
+                ]
+        return out
+
+    def relayed_addrs(self) -> list[str]:
+        return [str(a) for a in self.host.get_addrs() if is_relayed_addr(a)]
+
+    # -- connections ----------------------------------------------------------------------------------------
+    def kinds(self, peer: ID) -> list[str]:
+        conns = self.host.get_network().get_connections(peer)
+        return [_conn_kind(c) for c in conns if not getattr(c, "is_closed", False)]
+
+    def has_direct(self, peer: ID) -> bool:
+        return "direct" in self.kinds(peer)
+
+    def path(self, peer: ID) -> str:
+        """direct, hole_punched or relayed: how this node is connected to ``peer`` now."""
+        kinds = self.kinds(peer)
+        if "direct" in kinds:
+            return "hole_punched" if peer in self.punch.punched else "direct"
+        return "relayed" if kinds else "none"
+
+    async def dial_relayed(self, info: PeerInfo, timeout: float) -> None:
+        """Connect to ``info.peer_id`` through one of the relays in its circuit addresses."""
+        circuits = [a for a in info.addrs if is_relayed_addr(a)]
+        random.shuffle(circuits)
+        # a provider record may predate the peer's reservations: the trusted relays are worth a try too
+        known = {str(a) for a in circuits}
+        for relay in self.options.trusted:
+            if relay in (info.peer_id, self.swarm.peer_id) or relay not in self.host.get_connected_peers():
+                continue
+            for a in self.host.get_peerstore().addrs(relay)[:1]:
+                text = str(a).split("/p2p/")[0]
+                addr = multiaddr.Multiaddr(f"{text}/p2p/{relay}/p2p-circuit/p2p/{info.peer_id}")
+                if str(addr) not in known and not is_relayed_addr(a):
+                    circuits.append(addr)
+        if not circuits:
+            raise ConnectionError(f"{info.peer_id} is not directly reachable and no relay is known")
+        errors = []
+        for addr in circuits:
+            text = str(addr)
+            if not text.rstrip("/").endswith(str(info.peer_id)):
+                addr = multiaddr.Multiaddr(f"{text}/p2p/{info.peer_id}")
+            try:
+                with trio.fail_after(timeout):
+                    await self.client.dial(addr)
+                self.relay_dials += 1
+                return
+            except Exception as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+        raise ConnectionError(f"no relay got us to {info.peer_id}: {'; '.join(errors)[:300]}")
+
+    # -- running --------------------------------------------------------------------------------------------
+    def register(self) -> None:
+        async def autonat(stream: INetStream) -> None:
+            try:
+                await self.dialback.handle_stream(stream)
+            except Exception as exc:  # a handler that raises takes the host down (LIBP2P_NOTES trap 1)
+                log.debug("autonat stream from %s: %s", stream.muxed_conn.peer_id, exc)
+
+        self.host.set_stream_handler(AUTONAT_PROTOCOL_ID, autonat)
+        self.host._addrs_factory = self.addrs_factory  # type: ignore[attr-defined]
+        self._host_get_addrs = self.host.get_addrs
+        self.host.get_addrs = self.get_addrs  # type: ignore[method-assign]
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        async with background_trio_service(self.hop), background_trio_service(self.punch):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._check_loop)
+                nursery.start_soon(self._reserve_loop)
+                nursery.start_soon(self._tidy_loop)
+                if self.options.relay:
+                    nursery.start_soon(self._provide_relay)
+                task_status.started()
+
+    def _set_state(self, state: str, why: str) -> None:
+        if state != self.state:
+            log.info("reachability: %s (%s)", state, why)
+            self.state = state
+            self._changed.set()
+            self._changed = trio.Event()
+
+    def _servers(self) -> list[ID]:
+        connected = [p for p in self.host.get_connected_peers() if p != self.swarm.peer_id]
+        trusted = [p for p in connected if p in self.options.trusted and self.has_direct(p)]
+        others = [p for p in connected if p not in self.options.trusted and self.has_direct(p)]
+        random.shuffle(others)
+        return (trusted + others)[:4]
+
+    async def _check_loop(self) -> None:
+        while True:
+            servers = self._servers()
+            if servers:
+                await self.check(servers)
+            interval = self.options.check_interval if self.state != UNKNOWN else 3.0
+            await trio.sleep(interval)
+
+    async def check(self, servers: list[ID]) -> str:
+        addrs = [a.to_bytes() for a in self.host.get_transport_addrs()]
+
+        async def ask(server: ID) -> None:
+            try:
+                status, _addr = await self.dialback.query_server(server, addrs, timeout=QUERY_TIMEOUT)
+            except Exception as exc:
+                log.debug("dial-back request to %s failed: %s", server, exc)
+                return
+            if status == Message.OK:
+                self.verdicts[server] = True
+            elif status == Message.E_DIAL_ERROR:
+                self.verdicts[server] = False
+
+        async with trio.open_nursery() as nursery:
+            for server in servers:
+                nursery.start_soon(ask, server)
+        ok = sum(self.verdicts.values())
+        failed = len(self.verdicts) - ok
+        if ok:
+            self._set_state(PUBLIC, f"dialed back by {ok} of {len(self.verdicts)} peers")
+        elif failed >= min(2, len(servers)) and failed:
+            self._set_state(PRIVATE, f"{failed} peers could not dial back; reserving relay slots")
+        return self.state
+
+    async def _reserve_loop(self) -> None:
+        """While private: hold reservations at ``RELAYS_WANTED`` relays, renewed before they expire."""
+        from node.discovery import find_role, role_key
+
+        while True:
+            if self.state != PRIVATE:
+                await self._changed.wait()
+                continue
+            now = time.time()
+            for relay, res in list(self.reservations.items()):
+                if res.expires <= now or relay not in self.host.get_connected_peers():
+                    del self.reservations[relay]
+            fresh = [r for r, res in self.reservations.items() if res.expires - now > 120]
+            if len(fresh) < RELAYS_WANTED:
+                candidates = [p for p in self.options.trusted if p in self.host.get_connected_peers()]
+                found = await find_role(self.swarm, role_key(self.options.swarm_name, "relay"), timeout=5.0)
+                for info in found:
+                    self.host.get_peerstore().add_addrs(info.peer_id, info.addrs, 600)
+                    if info.peer_id not in candidates:
+                        candidates.append(info.peer_id)
+                for relay in candidates:
+                    if len([r for r in self.reservations if r in fresh]) >= RELAYS_WANTED:
+                        break
+                    if relay in fresh or relay == self.swarm.peer_id:
+                        continue
+                    if await self.reserve(relay):
+                        fresh.append(relay)
+            await trio.sleep(10.0)
+
+    async def reserve(self, relay: ID) -> bool:
+        try:
+            with trio.fail_after(10.0):
+                if relay not in self.host.get_connected_peers():
+                    await self.swarm.connect(self.host.get_peerstore().peer_info(relay))
+                stream = await self.host.new_stream(relay, [HOP_PROTOCOL_ID])
+                try:
+                    ok = await self.client._make_reservation(stream, relay)
+                finally:
+                    await stream.close()
+        except Exception as exc:
+            log.debug("no reservation at %s: %s", relay, exc)
+            return False
+        if not ok:
+            return False
+        expires = float(self.client._reservations.get(relay, time.time() + 600))
+        addrs: list[multiaddr.Multiaddr] = []
+        for a in self.host.get_peerstore().addrs(relay):
+            text = str(a).split("/p2p/")[0]
+            if is_relayed_addr(a) or "/ip4/0.0.0.0/" in text or ("/ip4/127." in text and not self._on_loopback()):
+                continue
+            if text not in {str(x) for x in addrs}:
+                addrs.append(multiaddr.Multiaddr(text))
+        if not addrs:
+            log.info("reserved a slot at %s but know no address of it to advertise", relay)
+            return False
+        new = relay not in self.reservations
+        self.reservations[relay] = Reservation(relay, expires, addrs[:2])
+        if new:
+            log.info("relay slot reserved at %s: reachable at %s", relay, ", ".join(self.relayed_addrs()))
+        return True
+
+    def _on_loopback(self) -> bool:
+        return all("/ip4/127." in str(a) for a in self.host.get_transport_addrs())
+
+    async def _provide_relay(self) -> None:
+        from node.discovery import provide_forever, role_key
+
+        while self.state != PUBLIC and not (self.options.assume_public and self.state == UNKNOWN):
+            await self._changed.wait()
+        log.info("offering relay reservations (%d slots)", self.options.relay_slots)
+        await provide_forever(self.swarm, role_key(self.options.swarm_name, "relay"), self.options.provide_interval)
+
+    async def _tidy_loop(self) -> None:
+        """Record how each peer was first reached; close relayed connections once a direct one is up."""
+        while True:
+            now = trio.current_time()
+            for peer in list(self.host.get_connected_peers()):
+                kinds = self.kinds(peer)
+                if peer not in self.first_seen and kinds:
+                    self.first_seen[peer] = "relayed" if "direct" not in kinds else "direct"
+                if "direct" in kinds and "relayed" in kinds:
+                    since = self.relayed_since.setdefault(peer, now)
+                    if now - since >= RELAYED_GRACE:
+                        for conn in self.host.get_network().get_connections(peer):
+                            if _conn_kind(conn) == "relayed":
+                                try:
+                                    await conn.close()
+                                except Exception:
+                                    pass
+                        self.relayed_since.pop(peer, None)
+                else:
+                    self.relayed_since.pop(peer, None)
+            if len(self.first_seen) > 10_000:
+                self.first_seen.clear()
+            await trio.sleep(1.0)
+
+    # -- reporting ------------------------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        paths: dict[str, int] = {"direct": 0, "hole_punched": 0, "relayed": 0}
+        by_peer: dict[str, str] = {}
+        for peer in self.host.get_connected_peers():
+            p = self.path(peer)
+            if p in paths:
+                paths[p] += 1
+                by_peer[str(peer)] = p
+        out: dict[str, Any] = {
+            "reachability": self.state,
+            "connections": paths,
+            "peer_paths": by_peer,
+            "relayed_addrs": self.relayed_addrs(),
+            "relay_reservations": len(self.reservations),
+            "hole_punches": {
+                "tried": self.punch.tried,
+                "failed": self.punch.failed,
+                "punched": len(self.punch.punched),
+                "direct_upgrades": len(self.punch.upgraded),
+            },
+            "relay_dials": self.relay_dials,
+        }
+        if self.options.relay:
+            out["relay_service"] = {
+                "reservations": len(self.hop.resource_manager._reservations),
+                "circuits": self.hop.circuits,
+                "bytes_relayed": self.hop.bytes_relayed,
+            }
+        return out
+
+
+@asynccontextmanager
+async def open_reachability(swarm: Swarm, options: ReachOptions) -> AsyncIterator[Reachability]:
+    reach = Reachability(swarm, options)
+    reach.register()
+    swarm.reach = reach
+    async with trio.open_nursery() as nursery:
+        await nursery.start(reach.run)
+        try:
+            yield reach
+        finally:
+            nursery.cancel_scope.cancel()
