@@ -197,3 +197,41 @@ async def test_fresh_identities_share_one_newcomer_budget_and_cannot_hoard_lease
         raise AssertionError("a third lease was admitted")
     except Busy as exc:
         assert exc.retry_after > 0
+
+
+async def test_stale_groups_and_abandoned_leases_never_lock_an_honest_peer_out(tmp_path, monkeypatch):
+    """Seen in the WAN scenario: a sampler whose groups were refused as stale kept holding their leases (the seeds
+    stayed open for twice the ttl), reached max_open_leases and was refused work as "busy" for ~90 s, and so was
+    every sampler that fell behind: training stopped. A refused seed is spent, and a lease past its ttl no longer
+    counts against its peer."""
+    from node.rpc import Busy
+
+    intake = make_intake(tmp_path, max_open_leases=2)
+    leases = []
+    for _ in range(2):
+        intake.admit_work("alice")
+        leases.append(intake.lease(WorkRequest(2), "alice", version=0))
+    # both leases come back entirely stale: every seed is refused, and alice holds nothing any more
+    for lease in leases:
+        for spec in lease.tasks:
+            ack = await intake.submit(group_for(intake, "alice", spec, lease, ["1", "2"], version=0), "alice", 3)
+            assert "versions old" in ack.rejected[0][1]
+    assert intake.leases.open_leases("alice") == 0
+    intake.admit_work("alice")  # no Busy
+    # someone else's refused group does not release alice's seeds
+    lease = intake.lease(WorkRequest(2), "alice", version=3)
+    await intake.submit(group_for(intake, "mallory", lease.tasks[0], lease, ["1", "2"], version=0), "mallory", 3)
+    assert lease.tasks[0].seed in intake.leases.get(lease.lease_id).open_seeds
+    # a lease the sampler gave up on (past its ttl) stops counting, though its late groups are still taken
+    intake.lease(WorkRequest(2), "alice", version=3)
+    try:
+        intake.admit_work("alice")
+        raise AssertionError("a third lease was admitted")
+    except Busy:
+        pass
+    import node.intake.leases as leases_module
+
+    now = leases_module.time.monotonic()
+    monkeypatch.setattr(leases_module.time, "monotonic", lambda: now + intake.leases.ttl + 1)
+    intake.admit_work("alice")
+    assert intake.leases.get(lease.lease_id) is not None

@@ -141,6 +141,11 @@ class RolloutIntake:
         except Rejected as exc:
             self.rejected += 1
             self._count_refusal(peer)
+            rec = self.leases.get(g.lease_id)
+            if rec is not None and rec.peer == peer:
+                # the seed is spent (a stale group stays stale): release it, so a peer whose groups went stale is
+                # not left holding leases it can never return (it would be refused work as "busy")
+                self.leases.close_seed(g.lease_id, g.seed)
             return RolloutAck(rejected=[(i, str(exc)) for i in ids])
         self.leases.close_seed(g.lease_id, g.seed)
         seq = self.journal.append(group, ids)

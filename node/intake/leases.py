@@ -48,8 +48,19 @@ class LeaseBook:
         self.issued = 0
 
     def open_leases(self, peer: str) -> int:
+        """Leases ``peer`` holds that are still within their ttl. A lease past its ttl is one the sampler has
+        given up on (its groups are still accepted until twice the ttl), so it no longer counts against the peer:
+        an abandoned lease must not lock an honest sampler out of work."""
         self._expire()
-        return self.open_by_peer.get(peer, 0)
+        if not self.open_by_peer.get(peer):
+            return 0
+        cutoff = time.monotonic() - self.ttl
+        held = 0
+        for rec in reversed(self._leases.values()):  # newest first: stop at the first one past its ttl
+            if rec.issued_at < cutoff:
+                break
+            held += rec.peer == peer
+        return held
 
     def issue(self, peer: str, n_groups: int, version: int) -> WorkLease:
         self._expire()
