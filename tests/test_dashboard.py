@@ -80,7 +80,8 @@ async def test_dashboard_shows_the_live_swarm_in_a_browser(tmp_path, tiny_model_
             assert row["accepted"] == role.intake.ledger.accepted_by_peer[str(s.swarm.peer_id)] > 0
             assert 0 <= row["version"] <= role.learner.version and row["strikes"] == 0
             assert str(s.swarm.peer_id) in state["versions"]
-        assert [v for _, v in state["versions"]["trainer"]][-1] == role.learner.version
+        shown = [v for _, v in state["versions"]["trainer"]][-1]
+        assert role.learner.version - 1 <= shown <= role.learner.version  # a version may be named, not yet published
         assert any("eval_accuracy" in r for r in state["curves"]) and any("reward" in r for r in state["curves"])
         assert (await http_get(url)).startswith(b"<!doctype html>")
 

@@ -5,6 +5,14 @@ that misbehave on purpose. Test code only; nothing in the product can be switche
 newest version and serves garbage of the right length (so only the blake3 check can catch it).
 ``--mode flood``: finds the trainer through the DHT and floods it with rollout submissions from 16
 concurrent streams, counting the replies by error code.
+``--mode withhold``: claims every chunk of every version in its have-bitfields, holds each chunk request 19 s,
+then answers "missing" (issue 17, 2).
+``--mode inject``: the product's sampler role with an engine that replaces half of each group with the task's
+right answer, reporting that answer's exact logprobs under the current weights (issue 16).
+``--mode sybil``: a stream of fresh identities, each taking leases, sending a forged group and, once banned,
+replaced by a new one (issue 17, 6).
+``--mode bomb``: decode bombs (8.4 MB of empty maps), slow streams that never finish their frame, and uploads
+pulled from samplers as fast as they answer (issue 17, 3, 4 and 7).
 """
 
 from __future__ import annotations
@@ -16,19 +24,24 @@ from typing import Any
 
 import msgpack
 import multiaddr
+import torch
 import trio
 
 from node.cli import setup_logging
 from node.config import NodeConfig, load_config_file
 from node.discovery import find_role, provide_forever, role_key
 from node.host import Swarm
-from node.rpc import request
+from node.rpc import request, serve
 from node.runtime import run_node
 from node.weights.server import WeightServer
 from node.weights.store import ChunkStore
 from node.weights.sync import WeightSync
-from protocols import rollouts
+from protocols import rollouts, work
+from protocols import weights as w
+from protocols.draw import RULE as DRAW_RULE
 from protocols.errors import RemoteError
+from protocols.rollouts import RolloutAck, RolloutGroup, Sample
+from protocols.work import WorkLease, WorkRequest
 
 
 class LyingStore:
@@ -73,6 +86,238 @@ class CorruptSeeder:
 
     def status(self) -> dict[str, Any]:
         return {"mode": "corrupt", "garbage_bytes_served": self.server.bytes_served}
+
+
+class Withholder(CorruptSeeder):
+    """Claims everything, serves nothing, slowly."""
+
+    def register(self, swarm: Swarm) -> None:
+        super().register(swarm)
+        self.held = 0
+
+        async def withhold(message: dict[str, Any], remote: Any) -> dict[str, Any]:
+            kind, arg = w.parse_request(message)
+            if kind == "get_chunks":
+                self.held += 1
+                await trio.sleep(19)
+                return w.chunks_reply([], arg)
+            return await self.server.handle(message, remote)
+
+        swarm.host.set_stream_handler(
+            w.PROTOCOL_ID, serve("withhold", withhold, w.MAX_REQUEST_FRAME, w.MAX_REPLY_FRAME, 60, streams_per_peer=64)
+        )
+
+    def status(self) -> dict[str, Any]:
+        return {"mode": "withhold", "requests_held": self.held}
+
+
+def injecting_engine_factory(inner_factory):
+    """An engine that samples honestly, then swaps every other sample for the task's right answer, with that
+    answer's true logprobs under the weights it runs: nothing a logprob check can see."""
+    from node.engines.base import Generation
+    from trainer.model import token_logprobs
+    from trainer.tasks.reverse import ReverseDigitsTask
+
+    task = ReverseDigitsTask()
+
+    def factory(path: Path, version: int):
+        engine = inner_factory(path, version)
+        original = engine.generate
+
+        def generate(prompts, *, temperature, top_p, max_tokens, seed):
+            gens = original(prompts, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
+            answer = [engine.char_ids[c] for c in task.answer(seed)] + list(engine.eos_ids)
+            with torch.no_grad():
+                lp, _ = token_logprobs(engine.model, [prompts[0]], [answer], temperature)
+            injected = Generation(answer, lp[0, : len(answer)].tolist(), "stop")
+            return [injected if k % 2 == 0 else g for k, g in enumerate(gens)]
+
+        engine.generate = generate
+        from trainer.tiny_qwen2 import vocab
+
+        engine.char_ids = vocab()
+        return engine
+
+    return factory
+
+
+class SybilSwarm:
+    """Fresh identities, one after another: each takes leases and sends a forged group until banned."""
+
+    name = "sampler"
+
+    def __init__(self, config: NodeConfig, concurrency: int = 6) -> None:
+        self.config = config
+        self.concurrency = concurrency
+        self.identities = 0
+        self.replies: dict[str, int] = {}
+
+    def register(self, swarm: Swarm) -> None:
+        self.swarm = swarm
+
+    async def run(self, swarm: Swarm) -> None:
+        from libp2p.crypto.ed25519 import create_new_key_pair
+
+        from node.host import build_host
+
+        key = role_key(self.config.swarm, "trainer")
+        found = []
+        while not found:
+            found = [i for i in await find_role(swarm, key) if i.peer_id == self.config.trainer_id]
+            await trio.sleep(1.0)
+        target = found[0]
+
+        def count(code: str) -> None:
+            self.replies[code] = self.replies.get(code, 0) + 1
+
+        async def identity() -> None:
+            while True:
+                host = build_host(create_new_key_pair())
+                self.identities += 1
+                async with host.run([]):
+                    try:
+                        with trio.fail_after(30):
+                            await host.connect(target)
+                            for _ in range(8):  # hoard leases, then forge until banned
+                                reply = await request(
+                                    host,
+                                    target.peer_id,
+                                    work.PROTOCOL_ID,
+                                    WorkRequest(4).to_wire(),
+                                    max_request=work.MAX_FRAME,
+                                    max_reply=work.MAX_FRAME,
+                                )
+                                lease = WorkLease.from_wire(reply)
+                                spec = lease.tasks[0]
+                                samples = [
+                                    Sample(f"{lease.lease_id}/{k}", [5, 2], [-0.01, -0.01], "stop")
+                                    for k in range(lease.group_size)
+                                ]
+                                group = RolloutGroup(
+                                    lease.lease_id,
+                                    lease.lease_id,
+                                    spec.task_id,
+                                    spec.seed,
+                                    lease.version,
+                                    str(host.get_id()),
+                                    spec.prompt_ids,
+                                    lease.sampling.temperature,
+                                    lease.sampling.top_p,
+                                    "q4",
+                                    samples,
+                                    DRAW_RULE,
+                                )
+                                ack = RolloutAck.from_wire(
+                                    await request(
+                                        host,
+                                        target.peer_id,
+                                        rollouts.PROTOCOL_ID,
+                                        group.to_wire(),
+                                        max_request=rollouts.MAX_FRAME,
+                                        max_reply=rollouts.MAX_ACK_FRAME,
+                                    )
+                                )
+                                count("accepted" if ack.accepted else "refused")
+                    except RemoteError as exc:
+                        count(exc.code)
+                    except Exception as exc:
+                        count(type(exc).__name__)
+                await trio.sleep(0.5)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(self.concurrency):
+                nursery.start_soon(identity)
+
+    def status(self) -> dict[str, Any]:
+        return {"mode": "sybil", "identities": self.identities, "replies": dict(self.replies)}
+
+
+class Bomber:
+    """Decode bombs and slow streams at the trainer; chunk pulls at every sampler it can find."""
+
+    name = "sampler"
+
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self.sent: dict[str, int] = {}
+
+    def register(self, swarm: Swarm) -> None:
+        pass
+
+    async def run(self, swarm: Swarm) -> None:
+        key = role_key(self.config.swarm, "trainer")
+        while not any(i.peer_id == self.config.trainer_id for i in await find_role(swarm, key)):
+            await trio.sleep(1.0)
+        tid = self.config.trainer_id
+        bomb = b"\xdd" + (8_400_000).to_bytes(4, "big") + b"\x80" * 8_400_000
+        frame = len(bomb).to_bytes(4, "big") + bomb
+
+        def count(what: str) -> None:
+            self.sent[what] = self.sent.get(what, 0) + 1
+
+        async def bombs() -> None:
+            while True:
+                try:
+                    with trio.fail_after(10):
+                        s = await swarm.host.new_stream(tid, [rollouts.PROTOCOL_ID])
+                        await s.write(frame[: 64 << 10])  # the header says 8.4 MB; refused before the body
+                        await s.reset()
+                    count("bomb")
+                except Exception:
+                    count("bomb_failed")
+                await trio.sleep(0.2)
+
+        async def slow() -> None:
+            while True:
+                try:
+                    s = await swarm.host.new_stream(tid, [rollouts.PROTOCOL_ID])
+                    await s.write((64 << 10).to_bytes(4, "big") + b"\x00" * 100)  # never finished
+                    count("slow")
+                    await trio.sleep(60)
+                except Exception:
+                    count("slow_failed")
+                    await trio.sleep(1)
+
+        async def pull() -> None:
+            while True:
+                for info in await find_role(swarm, role_key(self.config.swarm, "sampler")):
+                    try:
+                        with trio.fail_after(10):
+                            await swarm.connect(info)
+                            reply = await request(
+                                swarm.host,
+                                info.peer_id,
+                                w.PROTOCOL_ID,
+                                w.get_manifest(None),
+                                max_request=w.MAX_REQUEST_FRAME,
+                                max_reply=w.MAX_MANIFEST_BODY + 4096,
+                            )
+                            manifest = w.Manifest.from_body(w.SignedManifest.from_wire(reply).body)
+                            hashes = manifest.all_chunks()[: w.MAX_CHUNKS_PER_REQUEST]
+                            await request(
+                                swarm.host,
+                                info.peer_id,
+                                w.PROTOCOL_ID,
+                                w.get_chunks(hashes),
+                                max_request=w.MAX_REQUEST_FRAME,
+                                max_reply=w.MAX_REPLY_FRAME,
+                            )
+                        count("pull")
+                    except RemoteError as exc:
+                        count(f"pull_{exc.code}")
+                    except Exception:
+                        count("pull_failed")
+                await trio.sleep(0.1)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(bombs)
+            for _ in range(4):
+                nursery.start_soon(slow)
+            for _ in range(4):
+                nursery.start_soon(pull)
+
+    def status(self) -> dict[str, Any]:
+        return {"mode": "bomb", "sent": dict(self.sent)}
 
 
 class Flooder:
@@ -122,7 +367,7 @@ class Flooder:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["corrupt", "flood"], required=True)
+    p.add_argument("--mode", choices=["corrupt", "flood", "withhold", "inject", "sybil", "bomb"], required=True)
     p.add_argument("--config", type=Path, required=True)
     p.add_argument("--data-dir", type=Path, required=True)
     p.add_argument("--listen", required=True)
@@ -136,7 +381,27 @@ def main() -> None:
         status_interval=1.0,
         **load_config_file(args.config),
     )
-    role = CorruptSeeder(config) if args.mode == "corrupt" else Flooder(config)
+    if args.mode == "inject":
+        from node.engines import engine_factory
+        from node.local_swarm import settings
+        from node.roles.sampler import SamplerRole
+
+        class Injector(SamplerRole):
+            def status(self) -> dict[str, Any]:
+                return {**super().status(), "mode": "inject"}
+
+        role: Any = Injector(
+            config, settings(sampler={"engine": "torch"}), injecting_engine_factory(engine_factory("torch", "none"))
+        )
+    else:
+        modes = {
+            "corrupt": CorruptSeeder,
+            "flood": Flooder,
+            "withhold": Withholder,
+            "sybil": SybilSwarm,
+            "bomb": Bomber,
+        }
+        role = modes[args.mode](config)
     trio.run(run_node, config, role)
 
 
