@@ -517,3 +517,22 @@ async def test_versions_travel_as_patches_through_a_swarm(tmp_path, tiny_model_d
             kw = dict(temperature=1.0, top_p=1.0, max_tokens=6, seed=11)
             assert s.role.engine.generate(prompts, **kw) == fresh.generate(prompts, **kw)
         nursery.cancel_scope.cancel()
+
+
+def test_dense_changes_stop_the_diff_early_and_back_off(bf16_trainer):
+    """fp32-like dense changes (every weight moves past bf16's rounding): the diff stops at the size budget and the
+    publisher retries only after 1, 2, 4, ... versions, so a trainer whose patches never pay stops paying for them."""
+    t = bf16_trainer(anchor_every=8, fraction=0.2)
+    t.publish(0)
+    tried = []
+    for v in range(1, 9):
+        m = t.publish(v, step=0.05)  # far above bf16's step: nearly every element changes
+        stats = t.pub.last_stats
+        assert m.patch is None and m.has_full  # an anchor, without a patch
+        tried.append(stats.patch_seconds > 0)
+    assert tried == [True, True, False, True, False, False, False, True]
+    # the backoff is capped at anchor_every (8): version 16 tries again; small changes patch, and patches resume
+    assert t.publish(12, step=1e-5).patch is None and t.pub.last_stats.patch_seconds == 0
+    m = t.publish(16, step=1e-5)
+    assert t.pub.last_stats.patch_seconds > 0 and m.patch is not None and m.patch.parent_id == t.metas[12][0]
+    assert t.publish(17, step=1e-5).patch is not None

@@ -303,9 +303,23 @@ def value_limit(width: int, changed: int) -> int:
 
 
 # -- whole files ----------------------------------------------------------------------------------------------------
-def build_patch(old_path: Path, new_path: Path, codec: str = "zlib") -> BuiltPatch | None:
+def read_span(f, offset: int, nbytes: int) -> np.ndarray:
+    """``nbytes`` bytes of an open file from ``offset``, as a fresh uint8 array."""
+    out = np.empty(nbytes, dtype=np.uint8)
+    f.seek(offset)
+    if f.readinto(memoryview(out)) != nbytes:
+        raise PatchError("weights file shorter than its header says")
+    return out
+
+
+class OverBudget(Exception):
+    """The patch grew past the size it was allowed (it would travel as an anchor anyway): building stopped early."""
+
+
+def build_patch(old_path: Path, new_path: Path, codec: str = "zlib", budget: int | None = None) -> BuiltPatch | None:
     """The patch from ``old_path`` to ``new_path`` (safetensors files), or None when they cannot be patched one into
-    the other (another layout or header, or a changed tensor of an unsupported element width)."""
+    the other (another layout or header, or a changed tensor of an unsupported element width). Raises OverBudget as
+    soon as the patch exceeds ``budget`` bytes (dense changes, e.g. fp32 weights: no need to diff the rest)."""
     old_head, old_tensors = read_layout(old_path)
     new_head, new_tensors = read_layout(new_path)
     old_size, new_size = Path(old_path).stat().st_size, Path(new_path).stat().st_size
@@ -313,26 +327,25 @@ def build_patch(old_path: Path, new_path: Path, codec: str = "zlib") -> BuiltPat
         return None
     if not new_tensors or not tiles(len(new_head), new_tensors, new_size):
         return None
-    old_mm = np.memmap(old_path, dtype=np.uint8, mode="r")
-    new_mm = np.memmap(new_path, dtype=np.uint8, mode="r")
+    # each tensor is read into memory on its own (not memory-mapped: mapped pages would count in the trainer's
+    # resident memory for the whole file, twice)
+    old_f, new_f = open(old_path, "rb"), open(new_path, "rb")
     try:
-        new_view = memoryview(new_mm)
         parts: list[bytes] = []
         deltas: list[TensorDelta] = []
         hashes: list[bytes] = []
-        changed = elements = 0
+        changed = elements = size = 0
         for i, t in enumerate(new_tensors):
-            hashes.append(digest(new_view[t.offset : t.offset + t.nbytes]))
+            old_bytes, new_bytes = read_span(old_f, t.offset, t.nbytes), read_span(new_f, t.offset, t.nbytes)
+            hashes.append(digest(new_bytes))
             width = width_of(t)
             elements += t.numel
             if width is None:
-                span = slice(t.offset, t.offset + t.nbytes)
-                if t.nbytes and not np.array_equal(old_mm[span], new_mm[span]):
+                if t.nbytes and not np.array_equal(old_bytes, new_bytes):
                     return None
                 continue
             u = UINTS[width]
-            old = old_mm[t.offset : t.offset + t.nbytes].view(u)
-            new = new_mm[t.offset : t.offset + t.nbytes].view(u)
+            old, new = old_bytes.view(u), new_bytes.view(u)
             idx, d = diff_tensor(old, new)
             if idx.size == 0:
                 continue
@@ -342,9 +355,13 @@ def build_patch(old_path: Path, new_path: Path, codec: str = "zlib") -> BuiltPat
             parts += [idx_stream, val_stream]
             deltas.append(TensorDelta(i, int(idx.size), mode, len(idx_stream), len(val_stream)))
             changed += int(idx.size)
+            size += len(idx_stream) + len(val_stream)
+            if budget is not None and size > budget:
+                raise OverBudget(f"over {budget} bytes after {i + 1} of {len(new_tensors)} tensors")
         header_hash = digest(new_head)
     finally:
-        del old_mm, new_mm
+        old_f.close()
+        new_f.close()
     return BuiltPatch(b"".join(parts), deltas, header_hash, new_size, hashes, changed, elements)
 
 

@@ -24,7 +24,7 @@ from safetensors.numpy import save_file
 
 from node.weights.encoding import encode_int8, read_float_tensors
 from node.weights.manifest import WEIGHTS_FILE, chunk_hash, cut_model_dir, cut_ranges, sign_manifest
-from node.weights.patch import build_patch, hash_weights, read_layout
+from node.weights.patch import OverBudget, build_patch, hash_weights, read_layout
 from node.weights.store import ChunkStore
 from protocols.weights import Manifest, PatchInfo, SignedManifest
 
@@ -79,6 +79,8 @@ class Publisher:
         self.links = store.root / "published"
         self._parent: Parent | None = None
         self.last_stats: PublishStats | None = None
+        self._next_patch_try = 0  # versions before this one skip the diff (after patches over the budget)
+        self._patch_backoff = 1
 
     @property
     def patches(self) -> bool:
@@ -125,18 +127,19 @@ class Publisher:
         full_bytes = weights.stat().st_size
         parent = self.parent() if self.patches else None
         built, patch_seconds = None, 0.0
-        if parent is not None and parent.version < version:
+        if parent is not None and parent.version < version and version >= self._next_patch_try:
             t1 = time.perf_counter()
-            built = build_patch(parent.path, weights, self.patch_codec)
+            try:
+                built = build_patch(parent.path, weights, self.patch_codec, int(self.patch_max_fraction * full_bytes))
+                self._patch_backoff = 1
+            except OverBudget as exc:
+                # dense changes (fp32 weights, a high learning rate): try again after 1, 2, 4, ... versions, so a
+                # trainer whose patches never pay stops paying for the diff
+                log.info("version %d: the patch is %s of the weights: publishing an anchor (%s)", version,
+                         f"over {100 * self.patch_max_fraction:.0f}%", exc)  # fmt: skip
+                self._next_patch_try = version + self._patch_backoff
+                self._patch_backoff = min(2 * self._patch_backoff, self.anchor_every)
             patch_seconds = time.perf_counter() - t1
-            if built is not None and built.size > self.patch_max_fraction * full_bytes:
-                log.info(
-                    "version %d: patch %.1f MB is over %.0f%% of the weights: publishing an anchor",
-                    version,
-                    built.size / 1e6,
-                    100 * self.patch_max_fraction,
-                )
-                built = None
         anchor = built is None or version - parent.anchor >= self.anchor_every
         cut = cut_model_dir(
             model_dir, self.chunk_size, self.store.put_hashed, skip=frozenset() if anchor else {WEIGHTS_FILE}
