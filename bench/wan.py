@@ -12,16 +12,24 @@ uplink, or the swarm's total upload), as ratios; writes bench/results/wan.txt an
 On a 2-core machine the 13 processes keep both cores busy during a swarm round (Noise and yamux run in
 Python), so part of the swarm's gap to the ideal is CPU time, not link time.
 
+``--delta``: versions are bf16 and rounds alternate a version shipped whole (``full``) and one shipped as a sparse
+patch of its parent (``patch``, the product's default), both swarming; each version is one AdamW-sized step
+(every fp32 master weight moved by ``--delta-lr``, as Adam's first step does) from the last. Prints time to all
+samplers, full against patch. bench/delta.py runs this mode on real trained versions and records it.
+
     sudo .venv/bin/python bench/wan.py [--samplers 12] [--origin-mbps 100] [--rounds 2]
+    sudo .venv/bin/python bench/wan.py --delta [--samplers 6] [--layers 10 --hidden 512] [--link-scale 1]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
@@ -41,95 +49,190 @@ console = Console()
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+@dataclass
+class Round:
+    mode: str
+    version: int
+    size: int  # bytes a sampler holding the parent fetches for this version (the patch, or the whole version)
+    uploaded: int  # bytes the origin served during the round
+    arrivals: list[float]  # seconds from publish to each sampler holding the version, sorted
+    cpu_share: float  # of the whole machine, during the round
+    phases: list[dict[str, float]] = field(default_factory=list)  # per sampler: heard, fetched, built, got (see below)
+
+    @property
+    def t_all(self) -> float:
+        return self.arrivals[-1]
+
+
 def status(root: Path, name: str) -> dict:
     return status_of(root / name)
+
+
+def access_links(n: int, link_scale: float) -> list[tuple[float, float]]:
+    """(down, up) Mbit/s of each sampler."""
+    return [(ACCESS[i % len(ACCESS)][0] * link_scale, ACCESS[i % len(ACCESS)][1] * link_scale) for i in range(n)]
+
+
+def ideal_time(size: int, n: int, origin_mbps: float, link_scale: float) -> float:
+    """T* for one version of ``size`` bytes: the origin's uplink, the slowest downlink, the swarm's total upload."""
+    origin_bps = origin_mbps * 1e6 / 8
+    links = access_links(n, link_scale)
+    downs, ups = [d * 1e6 / 8 for d, _ in links], [u * 1e6 / 8 for _, u in links]
+    return max(size / origin_bps, size / min(downs), n * size / (origin_bps + sum(ups)))
+
+
+def run_lab(
+    root: Path,
+    model: Path,
+    samplers: int,
+    origin_mbps: float,
+    link_scale: float,
+    modes: list[str],
+    progress: Progress,
+    origin_args: tuple[str, ...] = (),
+) -> tuple[int, list[Round]]:
+    """Start the lab (the origin publishing ``model`` as version 0, then ``samplers`` fetchers), let every sampler
+    fetch version 0, then publish one version per entry of ``modes`` (written to ``<root>/mode`` first: ``naive``
+    makes the fetchers ask the origin alone; with ``--delta`` in ``origin_args``, ``full`` ships the version whole)
+    and wait for every sampler to hold it. Returns (version 0's size in bytes, the rounds)."""
+    lab = Lab(root / "lab", wan_links())
+    lab.add_host("origin", "na", origin_mbps, origin_mbps)
+    names = [f"s{i}" for i in range(samplers)]
+    for i, (name, (down, up)) in enumerate(zip(names, access_links(samplers, link_scale), strict=True)):
+        lab.add_host(name, REGIONS[i % len(REGIONS)], up, down)
+    origin_id = peer_id_of(load_or_create_key(root / "origin" / "identity.key"))
+    config = root / "bootstrap.toml"
+    write_config_file(config, "wanbench", [f"/ip4/{lab.hosts['origin'].ip}/tcp/{PORT}/p2p/{origin_id}"], str(origin_id))
+
+    def argv(role: str, name: str) -> list[str]:
+        return [
+            sys.executable,
+            "-P",
+            str(Path(__file__).resolve().parent / "wan_node.py"),
+            role,
+            "--config",
+            str(config),
+            "--data-dir",
+            str(root / name),
+            "--listen",
+            f"/ip4/{lab.hosts[name].ip}/tcp/{PORT}",
+            "--root",
+            str(root),
+            "--model",
+            str(model),
+            *(origin_args if role == "origin" else ()),
+        ]
+
+    def cpu_total() -> float:
+        return sum(status(root, n).get("cpu_seconds", 0.0) for n in ["origin", *names])
+
+    rounds: list[Round] = []
+    with lab:
+        lab.popen("origin", argv("origin", "origin"), root / "origin.log")
+        wait_for(lambda: status(root, "origin").get("version") == 0, 300, what="the origin's first version")
+        for name in names:
+            lab.popen(name, argv("fetch", name), root / f"{name}.log", nice=5)
+        size = json.loads((root / "published.json").read_text())["0"]["bytes"]
+        progress.console.print(
+            f"{samplers} samplers in {len(REGIONS)} regions, origin uplink {origin_mbps:.0f} Mbit/s, access links "
+            f"x{link_scale:g}, version size {size / 1e6:.1f} MB"
+        )
+        warm = progress.add_task("samplers join and fetch version 0", total=None)
+        wait_for(lambda: all("0" in status(root, n).get("got", {}) for n in names), 900, what="version 0")
+        progress.remove_task(warm)
+        bar = progress.add_task("rounds", total=len(modes))
+        for version, mode in enumerate(modes, start=1):
+            progress.update(bar, description=f"round {version}/{len(modes)}: {mode}")
+            (root / "mode").write_text(mode)
+            (root / "publish").touch()
+            up0 = status(root, "origin").get("bytes_uploaded", 0)
+            cpu0, t0 = cpu_total(), time.time()
+            wait_for(
+                lambda v=version: all(str(v) in status(root, n).get("got", {}) for n in names),
+                900,
+                what=f"version {version} ({mode})",
+            )
+            time.sleep(1.0)  # let the origin's status catch up with its upload counter
+            cpu_share = (cpu_total() - cpu0) / ((time.time() - t0) * (os.cpu_count() or 1))
+            published = json.loads((root / "published.json").read_text())[str(version)]
+            arrivals = sorted(status(root, n)["got"][str(version)] - published["time"] for n in names)
+            uploaded = status(root, "origin").get("bytes_uploaded", 0) - up0
+            phases = []
+            for n in names:
+                st = status(root, n)
+                mine = {**st.get("phases", {}).get(str(version), {}), "got": st["got"][str(version)]}
+                phases.append({k: t - published["time"] for k, t in mine.items()})
+            rounds.append(Round(mode, version, published["update_bytes"], uploaded, arrivals, cpu_share, phases))
+            progress.console.print(
+                f"version {version} ({mode}, {published['update_bytes'] / 1e6:.2f} MB): last sampler after "
+                f"{arrivals[-1]:.2f} s, median {statistics.median(arrivals):.2f} s"
+            )
+            progress.advance(bar)
+    return size, rounds
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samplers", type=int, default=12)
-    ap.add_argument("--origin-mbps", type=float, default=100.0, help="the trainer's uplink (and downlink)")
-    ap.add_argument("--rounds", type=int, default=2, help="versions per mode")
-    ap.add_argument("--layers", type=int, default=4, help="size of the model shipped (tiny Qwen2, hidden 256)")
+    ap.add_argument("--origin-mbps", type=float, default=25.0, help="the trainer's uplink (and downlink)")
+    ap.add_argument(
+        "--link-scale",
+        type=float,
+        default=0.25,
+        help="samplers' access links are the profile's times this: slow enough that links, not the CPU, bound it",
+    )
+    ap.add_argument("--rounds", type=int, default=3, help="versions per mode")
+    ap.add_argument("--layers", type=int, default=4, help="size of the model shipped (tiny Qwen2)")
+    ap.add_argument("--hidden", type=int, default=256, help="hidden size of the model shipped")
+    ap.add_argument("--delta", action="store_true", help="bf16 versions, full against patch (see above)")
+    ap.add_argument("--delta-lr", type=float, default=1e-6, help="with --delta: each version's step per weight")
+    ap.add_argument("--chunk-kib", type=int, default=1024, help="the origin's largest chunk (the product's default)")
     args = ap.parse_args()
     why = lab_unavailable()
     if why:
         console.print(f"[red]bench/wan needs a network lab: {why}")
         return 2
-    with TemporaryDirectory(prefix="swarmrl-wan-") as tmp:
+    pair = ("full", "patch") if args.delta else ("swarm", "naive")
+    modes = [m for _ in range(args.rounds) for m in pair]
+    origin_args = ("--chunk-size", str(args.chunk_kib << 10))
+    if args.delta:
+        origin_args += ("--delta", "--delta-lr", str(args.delta_lr))
+    with TemporaryDirectory(prefix="swarmrl-wan-") as tmp, Progress(console=console) as progress:
         root = Path(tmp)
-        model = build_random_model(root / "model", layers=args.layers, hidden=256)
-        lab = Lab(root / "lab", wan_links())
-        lab.add_host("origin", "na", args.origin_mbps, args.origin_mbps)
-        names = [f"s{i}" for i in range(args.samplers)]
-        for i, name in enumerate(names):
-            down, up = ACCESS[i % len(ACCESS)]
-            lab.add_host(name, REGIONS[i % len(REGIONS)], up, down)
-        origin_id = peer_id_of(load_or_create_key(root / "origin" / "identity.key"))
-        config = root / "bootstrap.toml"
-        write_config_file(
-            config, "wanbench", [f"/ip4/{lab.hosts['origin'].ip}/tcp/{PORT}/p2p/{origin_id}"], str(origin_id)
+        model = build_random_model(root / "model", layers=args.layers, hidden=args.hidden)
+        size, rounds = run_lab(
+            root, model, args.samplers, args.origin_mbps, args.link_scale, modes, progress, origin_args
         )
-
-        def argv(role: str, name: str) -> list[str]:
-            return [
-                sys.executable, "-P", str(Path(__file__).resolve().parent / "wan_node.py"), role, "--config",
-                str(config), "--data-dir", str(root / name), "--listen", f"/ip4/{lab.hosts[name].ip}/tcp/{PORT}",
-                "--root", str(root), "--model", str(model),
-            ]  # fmt: skip
-
-        rows: list[tuple[str, int, float, list[float]]] = []
-        with lab:
-            lab.popen("origin", argv("origin", "origin"), root / "origin.log")
-            wait_for(lambda: status(root, "origin").get("version") == 0, 120, what="the origin's first version")
-            for name in names:
-                lab.popen(name, argv("fetch", name), root / f"{name}.log", nice=5)
-            size = json.loads((root / "published.json").read_text())["0"]["bytes"]
-            console.print(
-                f"{args.samplers} samplers in {len(REGIONS)} regions, origin uplink {args.origin_mbps:.0f} Mbit/s, "
-                f"version size {size / 1e6:.1f} MB"
-            )
-            with console.status("samplers join and fetch version 0 (warm-up)"):
-                wait_for(lambda: all("0" in status(root, n).get("got", {}) for n in names), 300, what="version 0")
-            modes = [m for _ in range(args.rounds) for m in ("swarm", "naive")]
-            with Progress(console=console) as progress:
-                bar = progress.add_task("rounds", total=len(modes))
-                for version, mode in enumerate(modes, start=1):
-                    (root / "mode").write_text(mode)
-                    (root / "publish").touch()
-                    up0 = status(root, "origin").get("bytes_uploaded", 0)
-                    wait_for(
-                        lambda v=version: all(str(v) in status(root, n).get("got", {}) for n in names),
-                        600,
-                        what=f"version {version} ({mode})",
-                    )
-                    time.sleep(1.0)  # let the origin's status catch up with its upload counter
-                    published = json.loads((root / "published.json").read_text())[str(version)]
-                    arrivals = sorted(status(root, n)["got"][str(version)] - published["time"] for n in names)
-                    uploaded = status(root, "origin").get("bytes_uploaded", 0) - up0
-                    rows.append((mode, uploaded, arrivals[-1], arrivals))
-                    progress.advance(bar)
+    if args.delta:
+        report_delta(rounds, args)
+        return 0
     n, s = args.samplers, size
+    ideal = ideal_time(s, n, args.origin_mbps, args.link_scale)
     origin_bps = args.origin_mbps * 1e6 / 8
-    downs = [ACCESS[i % len(ACCESS)][0] * 1e6 / 8 for i in range(n)]
-    ups = [ACCESS[i % len(ACCESS)][1] * 1e6 / 8 for i in range(n)]
-    ideal = max(s / origin_bps, s / min(downs), n * s / (origin_bps + sum(ups)))
+    downs = [d * 1e6 / 8 for d, _ in access_links(n, args.link_scale)]
+    ups = [u * 1e6 / 8 for _, u in access_links(n, args.link_scale)]
     naive_ideal = max(n * s / origin_bps, s / min(downs))
     table = Table(title=f"bench/wan: one {s / 1e6:.1f} MB version to {n} samplers")
     for col in ("mode", "time to all (s)", "median (s)", "origin upload (x model)", "ratio to ideal"):
         table.add_column(col)
     lines = []
-    for mode in ("swarm", "naive"):
-        mine = [r for r in rows if r[0] == mode]
-        t_all = statistics.mean(r[2] for r in mine)
-        med = statistics.mean(statistics.median(r[3]) for r in mine)
-        upload = statistics.mean(r[1] for r in mine) / s
+    for mode in pair:
+        mine = [r for r in rounds if r.mode == mode]
+        t_all = statistics.mean(r.t_all for r in mine)
+        med = statistics.mean(statistics.median(r.arrivals) for r in mine)
+        upload = statistics.mean(r.uploaded for r in mine) / s
         table.add_row(mode, f"{t_all:.2f}", f"{med:.2f}", f"{upload:.2f}", f"{t_all / ideal:.2f}")
-        lines.append(f"{mode}: time to all {t_all:.2f} s, median {med:.2f} s, origin upload {upload:.2f}x, "
-                     f"{t_all / ideal:.2f}x ideal")  # fmt: skip
+        times = [r.t_all for r in mine]
+        spread = (max(times) - min(times)) / statistics.mean(times)
+        cpu = max(r.cpu_share for r in mine)
+        lines.append(
+            f"{mode}: time to all {t_all:.2f} s (rounds: {' '.join(f'{t:.2f}' for t in times)}; spread "
+            f"{spread:.0%}), median {med:.2f} s, origin upload {upload:.2f}x, {t_all / ideal:.2f}x ideal; "
+            f"CPU use at most {cpu:.0%} of the machine"
+        )
     console.print(table)
-    t_swarm = statistics.mean(r[2] for r in rows if r[0] == "swarm")
-    t_naive = statistics.mean(r[2] for r in rows if r[0] == "naive")
+    t_swarm = statistics.mean(r.t_all for r in rounds if r.mode == "swarm")
+    t_naive = statistics.mean(r.t_all for r in rounds if r.mode == "naive")
     summary = (
         f"ideal T* = {ideal:.2f} s (S/U_origin {s / origin_bps:.2f}, S/min D {s / min(downs):.2f}, "
         f"NS/(U+sum u) {n * s / (origin_bps + sum(ups)):.2f}); naive bound {naive_ideal:.2f} s\n"
@@ -142,7 +245,7 @@ def main() -> int:
         f"{args.rounds} rounds per mode\n" + "\n".join(lines) + "\n" + summary + "\n"
     )
     plot(
-        rows,
+        rounds,
         ideal,
         RESULTS / "wan.png",
         f"{n} samplers, {s / 1e6:.1f} MB version, origin {args.origin_mbps:.0f} Mbit/s",
@@ -151,7 +254,47 @@ def main() -> int:
     return 0
 
 
-def plot(rows, ideal: float, path: Path, title: str) -> None:
+def delta_lines(rounds: list[Round], samplers: int, origin_mbps: float, link_scale: float) -> list[str]:
+    """Full against patch rounds: per mode, bytes fetched, time to all, median, ideal; then the ratio."""
+    lines = []
+    means = {}
+    for mode in ("full", "patch"):
+        mine = [r for r in rounds if r.mode == mode]
+        size = statistics.mean(r.size for r in mine)
+        means[mode] = t_all = statistics.mean(r.t_all for r in mine)
+        ideal = ideal_time(int(size), samplers, origin_mbps, link_scale)
+        median = statistics.mean(statistics.median(r.arrivals) for r in mine)
+        lines.append(
+            f"{mode}: {size / 1e6:.3f} MB per version, time to all {t_all:.2f} s (rounds: "
+            f"{' '.join(f'{r.t_all:.2f}' for r in mine)}), median {median:.2f} s, "
+            f"ideal {ideal:.2f} s, origin upload {statistics.mean(r.uploaded for r in mine) / size:.2f}x, "
+            f"CPU at most {max(r.cpu_share for r in mine):.0%}"
+        )
+        lines.append(f"  {mode}, median over samplers and rounds: {phase_line(mine)}")
+    lines.append(f"time to all samplers, full / patch = {means['full'] / means['patch']:.1f}x")
+    return lines
+
+
+def phase_line(rounds: list[Round]) -> str:
+    """Where a sampler's time went: publish -> manifest accepted (gossip, manifest fetch), -> every chunk here
+    (planning, have-polls, transfer), -> built and verified (reassembly or patch rebuild), -> usable."""
+    cuts: dict[str, list[float]] = {"announce+manifest": [], "download": [], "build": [], "install": []}
+    for p in (p for r in rounds for p in r.phases):
+        if not {"heard", "fetched", "built", "got"} <= p.keys():
+            continue
+        cuts["announce+manifest"].append(p["heard"])
+        cuts["download"].append(p["fetched"] - p["heard"])
+        cuts["build"].append(p["built"] - p["fetched"])
+        cuts["install"].append(p["got"] - p["built"])
+    return ", ".join(f"{k} {statistics.median(v):.2f} s" for k, v in cuts.items() if v) or "no phases recorded"
+
+
+def report_delta(rounds: list[Round], args: argparse.Namespace) -> None:
+    for line in delta_lines(rounds, args.samplers, args.origin_mbps, args.link_scale):
+        console.print(line)
+
+
+def plot(rounds: list[Round], ideal: float, path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -160,10 +303,10 @@ def plot(rows, ideal: float, path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     colors = {"swarm": "tab:blue", "naive": "tab:red"}
     seen = set()
-    for mode, _, _, arrivals in rows:
-        ys = [(i + 1) / len(arrivals) for i in range(len(arrivals))]
-        ax.step(arrivals, ys, where="post", color=colors[mode], label=mode if mode not in seen else None)
-        seen.add(mode)
+    for r in rounds:
+        ys = [(i + 1) / len(r.arrivals) for i in range(len(r.arrivals))]
+        ax.step(r.arrivals, ys, where="post", color=colors[r.mode], label=r.mode if r.mode not in seen else None)
+        seen.add(r.mode)
     ax.axvline(ideal, color="black", linestyle="--", label=f"ideal {ideal:.1f} s")
     ax.set_xlabel("seconds after publish")
     ax.set_ylabel("fraction of samplers holding the version")

@@ -5,6 +5,11 @@ so every weight chunk is new) each time the driver writes ``<root>/publish``; su
 gossip, exactly as the trainer role does. ``fetch``: a sampler's side: a real WeightSync (gossip, signed
 manifests, rarest-first chunk swarming), discovery through the DHT, and a record of when each version
 became usable. In ``naive`` mode (``<root>/mode`` says so) a fetcher downloads from the origin alone.
+
+``--delta`` (the origin): versions are bf16 and travel as sparse patches of their parent, except in ``full`` mode,
+where the version is shipped whole (no patch). Each new version is one step of ``--delta-lr`` per fp32 master weight
+(the size of Adam's first step), or, with ``--versions DIR``, the model dirs ``DIR/v0``, ``DIR/v1``, ... published
+in turn (real trained versions, bench/delta.py).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -33,36 +39,82 @@ from node.weights.sync import WeightSync
 from protocols import weights as w
 from trainer.model import load_model, save_model_dir
 
+PATCH_FRACTION = 0.5  # the product's default patch_max_fraction
+WHOLE = 1e-12  # a patch_max_fraction no patch fits under: the version is shipped whole
+
 
 class Origin:
     name = "trainer"
 
-    def __init__(self, config: NodeConfig, model_dir: Path, root: Path) -> None:
+    def __init__(
+        self,
+        config: NodeConfig,
+        model_dir: Path,
+        root: Path,
+        delta: bool = False,
+        delta_lr: float = 1e-6,
+        versions: Path | None = None,
+        chunk_size: int = 1 << 20,
+    ) -> None:
         self.config, self.model_dir, self.root = config, model_dir, root
+        self.delta, self.delta_lr, self.versions, self.chunk_size = delta, delta_lr, versions, chunk_size
         self.store = ChunkStore(config.data_dir / "store")
         self.server = WeightServer(self.store, origin=True)
-        self.model = load_model(model_dir)
+        self.model = load_model(model_dir) if versions is None else None
         self.version = -1
         self.published: dict[int, dict[str, Any]] = {}
 
     def register(self, swarm: Swarm) -> None:
         self.server.register(swarm.host)
         key = KeyPair(swarm.host.get_private_key(), swarm.host.get_public_key())
-        self.publisher = Publisher(self.store, key, self.config.swarm)
+        if self.delta:
+            self.publisher = Publisher(
+                self.store,
+                key,
+                self.config.swarm,
+                chunk_size=self.chunk_size,
+                anchor_every=1 << 20,
+                patch_max_fraction=PATCH_FRACTION,
+            )
+        else:
+            self.publisher = Publisher(self.store, key, self.config.swarm, chunk_size=self.chunk_size)
 
-    async def publish(self, swarm: Swarm) -> None:
-        version = self.version + 1
-        mode = self.root / "mode"
-        # the naive baseline gets a plain server: super-seeding only pays when peers re-serve
-        self.server.origin = not (mode.exists() and mode.read_text() == "naive")
+    def stage(self, version: int) -> Path:
+        """Blocking: write ``version``'s model dir where the publisher takes it."""
+        staging = self.publisher.staging_dir(version)
+        if self.versions is not None:
+            source = self.versions / f"v{version}"
+            if not source.is_dir():
+                raise SystemExit(f"no model dir {source} to publish as version {version}")
+            shutil.rmtree(staging, ignore_errors=True)
+            return Path(shutil.copytree(source, staging))
+        assert self.model is not None
         if version:
             with torch.no_grad():
                 for p in self.model.parameters():
-                    p.add_(torch.randn_like(p) * 1e-3)
-        staging = self.publisher.staging_dir(version)
-        await trio.to_thread.run_sync(save_model_dir, self.model, staging, self.model_dir)
+                    if self.delta:  # Adam's first step: every weight moves by lr, either way
+                        p.add_(torch.randn_like(p).sign() * self.delta_lr)
+                    else:  # every chunk new
+                        p.add_(torch.randn_like(p) * 1e-3)
+        dtype = torch.bfloat16 if self.delta else torch.float32
+        return save_model_dir(self.model, staging, self.model_dir, dtype)
+
+    async def publish(self, swarm: Swarm) -> None:
+        version = self.version + 1
+        mode_file = self.root / "mode"
+        mode = mode_file.read_text() if mode_file.exists() else ""
+        # the naive baseline gets a plain server: super-seeding only pays when peers re-serve
+        self.server.origin = mode != "naive"
+        if self.delta:
+            self.publisher.patch_max_fraction = WHOLE if mode == "full" else PATCH_FRACTION
+        staging = await trio.to_thread.run_sync(self.stage, version)
         mid, _, manifest = await trio.to_thread.run_sync(self.publisher.publish, staging, version)
-        self.published[version] = {"time": time.time(), "bytes": manifest.total_size}
+        self.published[version] = {
+            "time": time.time(),
+            "bytes": manifest.total_size,
+            "update_bytes": manifest.update_size,
+            "patch": manifest.patch is not None,
+        }
         (self.root / "published.json").write_text(json.dumps(self.published))
         self.version, self.mid = version, mid
         await swarm.gossip.publish(announce_topic(self.config.swarm), w.announce(version, mid))
@@ -97,16 +149,33 @@ class Fetcher:
         self.store = ChunkStore(config.data_dir / "store")
         self.server = WeightServer(self.store)
         self.got: dict[int, float] = {}
+        # per version, wall-clock times: its manifest accepted ("heard"), its chunks all here ("fetched"), its
+        # model dir built and verified ("built"); "got" is when it became usable
+        self.phases: dict[int, dict[str, float]] = {}
 
     def register(self, swarm: Swarm) -> None:
         self.server.register(swarm.host)
 
         async def installed(version: int, path: Path) -> None:
-            self.got[version] = time.time()
+            self.got[version] = now = time.time()
+            heard = self.sync.heard_at.get(version)
+            if heard is not None:
+                self.phases.setdefault(version, {})["heard"] = now - (time.monotonic() - heard)
 
         assert self.config.trainer_id is not None
         trainer = self.config.trainer_id
         self.sync = WeightSync(swarm, self.store, swarm.gossip, self.config.swarm, trainer, installed)
+        build = self.sync.build
+
+        def timed_build(steps):  # runs in a worker thread, after every chunk of the plan arrived
+            phases = self.phases.setdefault(steps[-1].manifest.version, {})
+            phases["fetched"] = time.time()
+            try:
+                return build(steps)
+            finally:
+                phases["built"] = time.time()
+
+        self.sync.build = timed_build  # type: ignore[method-assign]
         everyone = self.sync.peers
         mode = self.root / "mode"
         self.sync.peers = lambda: [trainer] if mode.exists() and mode.read_text() == "naive" else everyone()  # type: ignore[method-assign]
@@ -125,7 +194,11 @@ class Fetcher:
                 await trio.sleep(2.0)
 
     def status(self) -> dict[str, Any]:
-        return {"got": {str(k): v for k, v in self.got.items()}, "bytes_uploaded": self.server.bytes_served}
+        return {
+            "got": {str(k): v for k, v in self.got.items()},
+            "phases": {str(k): v for k, v in self.phases.items()},
+            "bytes_uploaded": self.server.bytes_served,
+        }
 
 
 def main() -> None:
@@ -136,6 +209,10 @@ def main() -> None:
     p.add_argument("--listen", required=True)
     p.add_argument("--root", type=Path, required=True)
     p.add_argument("--model", type=Path)
+    p.add_argument("--delta", action="store_true", help="origin: bf16 versions as patches (full mode: whole)")
+    p.add_argument("--delta-lr", type=float, default=1e-6, help="origin, --delta: each version's step per weight")
+    p.add_argument("--versions", type=Path, help="origin, --delta: publish DIR/v0, DIR/v1, ... in turn")
+    p.add_argument("--chunk-size", type=int, default=1 << 20, help="origin: largest chunk in bytes")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     config = NodeConfig(
@@ -146,7 +223,12 @@ def main() -> None:
         status_interval=0.5,
         **load_config_file(args.config),
     )
-    role = Origin(config, args.model, args.root) if args.role == "origin" else Fetcher(config, args.root)
+    if args.role == "origin":
+        role: Origin | Fetcher = Origin(
+            config, args.model, args.root, args.delta, args.delta_lr, args.versions, args.chunk_size
+        )
+    else:
+        role = Fetcher(config, args.root)
     trio.run(run_node, config, role)
 
 
