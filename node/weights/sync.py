@@ -178,19 +178,7 @@ class WeightSync:
         known = self.store.manifest(mid) if mid else None
         if known is None:
             try:
-                reply = await request(
-                    self.swarm.host,
-                    peer,
-                    w.PROTOCOL_ID,
-                    w.get_manifest(mid),
-                    max_request=w.MAX_REQUEST_FRAME,
-                    max_reply=w.MAX_MANIFEST_BODY + 4096,
-                    timeout=timeout or self.settings.manifest_timeout,
-                )
-                signed = w.SignedManifest.from_wire(reply)
-                manifest = verify_manifest(signed, self.trainer_id, self.swarm_name)
-                if mid is not None and manifest_id(signed) != mid:
-                    raise ForgedManifest("asked for one manifest, answered with another (a replay?)")
+                signed, manifest = await self._request_manifest(peer, mid, timeout or self.settings.manifest_timeout)
             except ForgedManifest as exc:
                 self.forged_manifests += 1
                 self.strikes.strike(peer)
@@ -230,19 +218,7 @@ class WeightSync:
             sources = [self.trainer_id, *others[:3]]
         for peer in sources:
             try:
-                reply = await request(
-                    self.swarm.host,
-                    peer,
-                    w.PROTOCOL_ID,
-                    w.get_manifest(mid),
-                    max_request=w.MAX_REQUEST_FRAME,
-                    max_reply=w.MAX_MANIFEST_BODY + 4096,
-                    timeout=self.settings.manifest_timeout,
-                )
-                signed = w.SignedManifest.from_wire(reply)
-                manifest = verify_manifest(signed, self.trainer_id, self.swarm_name)
-                if manifest_id(signed) != mid:
-                    raise ForgedManifest("asked for one manifest, answered with another")
+                signed, manifest = await self._request_manifest(peer, mid, self.settings.manifest_timeout)
             except ForgedManifest as exc:
                 self.forged_manifests += 1
                 self.strikes.strike(peer)
@@ -254,6 +230,26 @@ class WeightSync:
             self.store.add_manifest(signed, manifest)
             return signed, manifest
         return None
+
+    async def _request_manifest(
+        self, peer: ID, mid: bytes | None, timeout: float
+    ) -> tuple[w.SignedManifest, w.Manifest]:
+        """Manifest ``mid`` (None: the newest) from ``peer``, signed by the trusted trainer for this swarm, and the
+        one asked for (ForgedManifest otherwise: a replay of another manifest is a lie too)."""
+        reply = await request(
+            self.swarm.host,
+            peer,
+            w.PROTOCOL_ID,
+            w.get_manifest(mid),
+            max_request=w.MAX_REQUEST_FRAME,
+            max_reply=w.MAX_MANIFEST_BODY + 4096,
+            timeout=timeout,
+        )
+        signed = w.SignedManifest.from_wire(reply)
+        manifest = verify_manifest(signed, self.trainer_id, self.swarm_name)
+        if mid is not None and manifest_id(signed) != mid:
+            raise ForgedManifest("asked for one manifest, answered with another (a replay?)")
+        return signed, manifest
 
     def _new_download(self, step: Step) -> Download:
         s = self.settings
