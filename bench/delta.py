@@ -33,6 +33,7 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from tempfile import TemporaryDirectory
@@ -56,6 +57,7 @@ from node.weights.manifest import WEIGHTS_FILE
 from node.weights.patch import INTS, UINTS, build_patch, hash_weights, read_layout
 from node.weights.publish import Publisher
 from node.weights.store import ChunkStore
+from protocols.weights import Manifest, SignedManifest
 from trainer.groups import Group, has_signal
 from trainer.learner import Learner
 from trainer.model import load_model
@@ -217,7 +219,7 @@ def mlx_same(a: Engine, b: Engine) -> bool:
     return pa.keys() == pb.keys() and all(pa[k][0] == pb[k][0] and np.array_equal(pa[k][1], pb[k][1]) for k in pa)
 
 
-def timed(fn, *args: Any) -> tuple[Any, float]:
+def timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
     t0 = time.perf_counter()
     out = fn(*args)
     return out, time.perf_counter() - t0
@@ -246,18 +248,18 @@ def run_lr(
     )
     node = ChunkStore(root / "sampler")
 
-    def publish(version: int):
+    def publish(version: int) -> tuple[bytes, SignedManifest, Manifest]:
         staging = learner.save_model_dir(pub.staging_dir(version))
         if keep is not None:
             shutil.copytree(staging, keep / f"v{version}", copy_function=shutil.copy2)
         return pub.publish(staging, version)
 
-    def give(meta, route: str) -> None:
+    def give(meta: tuple[bytes, SignedManifest, Manifest], route: str) -> None:
         _, signed, m = meta
         node.add_manifest(signed, m)
         node.put_verified({h: pub.store.read(h) for h in node.route_chunks(m, route)})
 
-    def wire_size(signed) -> int:
+    def wire_size(signed: SignedManifest) -> int:
         return len(msgpack.packb(signed.to_wire(), use_bin_type=True))
 
     progress.update(bar, description=f"lr {lr:g}: version 0, engines")
@@ -361,11 +363,11 @@ def run_wan(versions: Path, args: argparse.Namespace, progress: Progress) -> lis
 
 
 # -- reporting -----------------------------------------------------------------------------------------------------
-def mean(xs) -> float:
+def mean(xs: Iterable[float]) -> float:
     return statistics.mean(list(xs))
 
 
-def median(xs) -> float:
+def median(xs: Iterable[float]) -> float:
     return statistics.median(list(xs))
 
 

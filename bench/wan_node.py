@@ -31,7 +31,9 @@ from node.config import NodeConfig, load_config_file
 from node.discovery import find_role, provide_forever, role_key
 from node.host import Swarm
 from node.runtime import run_node
+from node.weights.chain import Step
 from node.weights.gossip import announce_topic
+from node.weights.patch import WeightChanges
 from node.weights.publish import Publisher
 from node.weights.server import WeightServer
 from node.weights.store import ChunkStore
@@ -167,7 +169,7 @@ class Fetcher:
         self.sync = WeightSync(swarm, self.store, swarm.gossip, self.config.swarm, trainer, installed)
         build = self.sync.build
 
-        def timed_build(steps):  # runs in a worker thread, after every chunk of the plan arrived
+        def timed_build(steps: list[Step]) -> tuple[Path, WeightChanges | None]:  # a worker thread, all chunks here
             phases = self.phases.setdefault(steps[-1].manifest.version, {})
             phases["fetched"] = time.time()
             try:
