@@ -26,6 +26,7 @@ import msgpack
 import multiaddr
 import torch
 import trio
+from libp2p.peer.peerinfo import PeerInfo
 
 from node.cli import setup_logging
 from node.config import NodeConfig, load_config_file
@@ -42,6 +43,16 @@ from protocols.draw import RULE as DRAW_RULE
 from protocols.errors import RemoteError
 from protocols.rollouts import RolloutAck, RolloutGroup, Sample
 from protocols.work import WorkLease, WorkRequest
+
+
+async def find_trainer(swarm: Swarm, config: NodeConfig) -> PeerInfo:
+    """The trusted trainer's record in the DHT, looked up once a second until it is there."""
+    key = role_key(config.swarm, "trainer")
+    while True:
+        for info in await find_role(swarm, key):
+            if info.peer_id == config.trainer_id:
+                return info
+        await trio.sleep(1.0)
 
 
 class LyingStore:
@@ -160,12 +171,7 @@ class SybilSwarm:
 
         from node.host import build_host
 
-        key = role_key(self.config.swarm, "trainer")
-        found = []
-        while not found:
-            found = [i for i in await find_role(swarm, key) if i.peer_id == self.config.trainer_id]
-            await trio.sleep(1.0)
-        target = found[0]
+        target = await find_trainer(swarm, self.config)
 
         def count(code: str) -> None:
             self.replies[code] = self.replies.get(code, 0) + 1
@@ -245,9 +251,7 @@ class Bomber:
         pass
 
     async def run(self, swarm: Swarm) -> None:
-        key = role_key(self.config.swarm, "trainer")
-        while not any(i.peer_id == self.config.trainer_id for i in await find_role(swarm, key)):
-            await trio.sleep(1.0)
+        await find_trainer(swarm, self.config)
         tid = self.config.trainer_id
         bomb = b"\xdd" + (8_400_000).to_bytes(4, "big") + b"\x80" * 8_400_000
         frame = len(bomb).to_bytes(4, "big") + bomb
@@ -332,9 +336,7 @@ class Flooder:
         pass
 
     async def run(self, swarm: Swarm) -> None:
-        key = role_key(self.config.swarm, "trainer")
-        while not any(i.peer_id == self.config.trainer_id for i in await find_role(swarm, key)):
-            await trio.sleep(1.0)
+        await find_trainer(swarm, self.config)
         junk = msgpack.unpackb(msgpack.packb({"v": 1, "t": "rollouts", "group_id": "f" * 16, "samples": []}))
 
         async def flood() -> None:

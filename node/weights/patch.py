@@ -17,7 +17,6 @@ and EVERY tensor against the manifest's blake3 hashes before anything uses the r
 
 from __future__ import annotations
 
-import json
 import lzma
 import shutil
 import struct
@@ -28,6 +27,7 @@ from pathlib import Path
 import blake3
 import numpy as np
 
+from node.weights.manifest import safetensors_layout
 from protocols.errors import ProtocolError
 from protocols.weights import (
     ELEMENT_WIDTHS,
@@ -107,17 +107,9 @@ def read_layout(path: Path) -> tuple[bytes, list[TensorEntry]]:
             raise PatchError(f"{path}: safetensors header too large")
         raw = fh.read(n)
     try:
-        header = json.loads(raw)
+        _start, tensors = safetensors_layout(head + raw)
     except ValueError:
         raise PatchError(f"{path}: unreadable safetensors header") from None
-    start = 8 + n
-    tensors = []
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        a, b = meta["data_offsets"]
-        tensors.append(TensorEntry(name, meta["dtype"], list(meta["shape"]), start + a, b - a))
-    tensors.sort(key=lambda t: t.offset)
     return head + raw, tensors
 
 
