@@ -108,6 +108,9 @@ def run_scenario(root: Path, model_dir: Path, steps: int = 30, timeout: float = 
                 "rollouts_accepted": trainer.get("accepted_by_peer", {}).get(ids[name], 0),
                 "paths_to_samplers": {n: p for n, p in sorted(paths.items()) if n in samplers},
                 "hole_punches": st.get("hole_punches", {}),
+                "punched_samplers": sorted(
+                    n for n in (names.get(pid) for pid in st.get("hole_punches", {}).get("peers", [])) if n in samplers
+                ),
                 "relay_dials": st.get("relay_dials", 0),
                 "relay_reservations": st.get("relay_reservations", 0),
             }

@@ -544,6 +544,7 @@ class Reachability:
                 "failed": self.punch.failed,
                 "punched": len(self.punch.punched),
                 "direct_upgrades": len(self.punch.upgraded),
+                "peers": sorted(str(p) for p in self.punch.punched)[:64],  # every peer a punch ever connected us to
             },
             "relay_dials": self.relay_dials,
         }

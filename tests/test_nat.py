@@ -158,13 +158,12 @@ def test_nat_swarm_converges_with_relays_and_hole_punching(tmp_path, tiny_model_
         if r["nat"] != "public":
             assert r["relay_reservations"] >= 1, r
     assert result["trainer"]["reachability"] == PUBLIC and result["boot_reachability"] == PUBLIC
-    # the two cone-NAT samplers got a direct connection to each other by hole punching
-    assert (
-        rows["s4"]["paths_to_samplers"].get("s5") == "hole_punched"
-        or rows["s5"]["paths_to_samplers"].get("s4") == "hole_punched"
-    ), (rows["s4"], rows["s5"])
+    # the two cone-NAT samplers got a direct connection to each other by hole punching (at some point: on this
+    # busy box a connection can die later, and the reconnection then goes through a relay and punches again)
+    assert "s5" in rows["s4"]["punched_samplers"] or "s4" in rows["s5"]["punched_samplers"], (rows["s4"], rows["s5"])
     # symmetric-NAT samplers reach the other NATed ones only through relays, yet converge
     assert rows["s6"]["paths_to_samplers"].get("s7") in ("relayed", None)
+    assert "s7" not in rows["s6"]["punched_samplers"] and "s6" not in rows["s7"]["punched_samplers"]
     # NATed samplers serve chunks too (to public peers over their own outbound connections, to cones punched)
     assert rows["s4"]["chunk_bytes_served"] > 0 and rows["s5"]["chunk_bytes_served"] > 0
     # relays are for control traffic: they carry a few percent of the chunk bytes at most

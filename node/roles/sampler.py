@@ -77,7 +77,8 @@ class SamplerRole:
         self.store = ChunkStore(config.data_dir / "store")
         self.weight_server = WeightServer(self.store, upload_per_peer=settings.weights.upload_per_peer)
         self.trainer_found = trio.Event()
-        self.samplers: set[str] = set()
+        self.samplers: set[str] = set()  # every sampler the DHT listed that we have been connected to
+        self._redial_at: dict[str, tuple[float, int]] = {}  # sampler -> (not before, failures): dial backoff
         self.groups_sent = 0
         self.rollouts_accepted = 0
         self.rollouts_rejected = 0
@@ -131,15 +132,34 @@ class SamplerRole:
         while True:
             if not self.trainer_found.is_set() or not self._trainer_connected(swarm):
                 await self._find_trainer(swarm)
-            for info in await find_role(swarm, role_key(self.swarm_name, "sampler")):
-                if str(info.peer_id) not in self.samplers:
-                    try:
-                        await swarm.connect(info)
-                        self.samplers.add(str(info.peer_id))
-                    except Exception as exc:
-                        log.debug("cannot reach sampler %s: %s", info.peer_id, exc)
+            await self._connect_samplers(swarm)
             interval = self.config.discover_interval
             await trio.sleep(interval if not self.trainer_found.is_set() else 4 * interval)
+
+    async def _connect_samplers(self, swarm: Swarm) -> None:
+        """Connect to every sampler the DHT lists and we are not connected to: new ones, and known ones whose
+        connection died (a stalled process, a NAT mapping gone), so the swarm heals. Failed dials back off."""
+        connected = set(swarm.host.get_connected_peers())
+        now = trio.current_time()
+        for info in await find_role(swarm, role_key(self.swarm_name, "sampler")):
+            key = str(info.peer_id)
+            if info.peer_id == swarm.peer_id:
+                continue
+            if info.peer_id in connected:
+                self.samplers.add(key)
+                continue
+            if self._redial_at.get(key, (0, 0))[0] > now:
+                continue
+            try:
+                await swarm.connect(info)
+                self.samplers.add(key)
+                self._redial_at.pop(key, None)
+            except Exception as exc:
+                failures = self._redial_at.get(key, (0, 0))[1] + 1
+                self._redial_at[key] = (now + min(300.0, 10.0 * 2**failures), failures)
+                log.debug("cannot reach sampler %s: %s", info.peer_id, exc)
+        if len(self._redial_at) > 10_000:
+            self._redial_at.clear()
 
     def _trainer_connected(self, swarm: Swarm) -> bool:
         return self.trainer_id in swarm.host.get_connected_peers()
