@@ -1,4 +1,4 @@
-"""Three fixes for py-libp2p 0.8.1, applied in place once per process by ``apply()`` (``build_host`` calls it).
+"""Four fixes for py-libp2p 0.8.1, applied in place once per process by ``apply()`` (``build_host`` calls it).
 
 Each fix replaces a method on a py-libp2p class (the originals are kept, so ``unapply()`` / ``disabled()`` restore
 stock behaviour for tests that compare). Written against libp2p==0.8.1 exactly: ``apply()`` refuses any other
@@ -72,6 +72,16 @@ carries at most 65,519 bytes of plaintext (``security/noise/io.py`` ``MAX_PLAINT
 frame went out as two Noise messages, the second of 17 bytes: twice the encryptions, MACs, length prefixes and
 reads per frame. ``MAX_MESSAGE_SIZE`` (read at call time in ``YamuxStream.write``, l. 248) is set to 65,519 so a
 frame is exactly one Noise message. Measured while writing this: receiver CPU ~4.2 s -> ~3.5 s per 512 MiB.
+
+4. one bad frame to a built-in handler takes the whole node down (LIBP2P_NOTES trap 1)
+--------------------------------------------------------------------------------------
+An exception escaping a stream handler propagates through the connection's nursery and the host's services and
+stops the node. Our own handlers catch everything (node.rpc), but py-libp2p's do not: ``Pubsub.stream_handler``
+(pubsub/pubsub.py l. 769) catches StreamError, ParseError and IncompleteReadError, not protobuf's DecodeError, so
+any peer sending one malformed gossipsub RPC killed every node it was connected to (seen in the WAN scenario: a
+sampler died of ``DecodeError: Error parsing message with type 'pubsub.pb.RPC'``). ``BasicHost._swarm_stream_handler``
+(host/basic_host.py l. 1480, the one entry for every inbound stream) is wrapped: an Exception from negotiation or
+from any handler is logged and the stream reset; the node goes on. Cancellation (a BaseException) passes through.
 """
 
 from __future__ import annotations
@@ -85,6 +95,7 @@ from typing import Any, cast
 
 import trio
 from libp2p.abc import IMuxedConn
+from libp2p.host.basic_host import BasicHost
 from libp2p.network.connection.exceptions import RawConnError
 from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.network.swarm import Swarm
@@ -283,12 +294,31 @@ async def _do_handle_inbound_connection(self: Swarm, read_write_closer: Any, mad
             pass
 
 
+# -- 4. handlers that raise ----------------------------------------------------------------------------------------
+
+
+async def _swarm_stream_handler(self: BasicHost, net_stream: Any) -> None:
+    original = _state["originals"]["BasicHost._swarm_stream_handler"]
+    try:
+        await original(self, net_stream)
+    except Exception as exc:
+        peer = getattr(getattr(net_stream, "muxed_conn", None), "peer_id", None)
+        protocol = getattr(net_stream, "get_protocol", lambda: None)()
+        log.info("a %s stream from %s failed in its handler (%s: %s); stream reset", protocol, peer,
+                 type(exc).__name__, str(exc)[:200])  # fmt: skip
+        try:
+            await net_stream.reset()
+        except Exception:
+            pass
+
+
 # -- applying -------------------------------------------------------------------------------------------------------
 
 _PATCHES: tuple[tuple[type, str, Callable[..., Any]], ...] = (
     (_yamux.Yamux, "_handle_incoming_with_ready_signal", _handle_incoming_with_ready_signal),
     (_yamux.Yamux, "_write_frame", _write_frame),
     (Swarm, "_do_handle_inbound_connection", _do_handle_inbound_connection),
+    (BasicHost, "_swarm_stream_handler", _swarm_stream_handler),
 )
 
 

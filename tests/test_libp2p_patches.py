@@ -234,3 +234,48 @@ async def test_patched_swarm_frees_inbound_slots_when_connections_close():
     _, held, refused, connects = await run_slot_scenario()
     assert (held, refused) == (0, 0)
     assert connects
+
+
+# -- 4. a built-in handler that raises ------------------------------------------------------------------------------
+
+ECHO = "/swarmrl-test/echo/1"
+# one gossipsub RPC frame: length 6, then field 1 (subscriptions) claiming a 4 GiB body: protobuf's DecodeError
+BAD_RPC = b"\x06\x0a\xff\xff\xff\xff\x0f"
+
+
+async def garbage_gossip_then_echo() -> bytes:
+    """A peer sends one malformed gossipsub RPC to a node, then asks it to echo: returns the echo."""
+    from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11
+
+    from node.weights.gossip import open_gossip
+
+    server = build_host(create_new_key_pair())
+
+    async def echo(stream) -> None:
+        await stream.write(await stream.read())
+        await stream.close()
+
+    server.set_stream_handler(ECHO, echo)
+    with trio.fail_after(30):
+        async with server.run([LISTEN]), open_gossip(server):
+            client = build_host(create_new_key_pair())
+            async with client.run([]):
+                await client.connect(info(server))
+                bad = await client.new_stream(server.get_id(), [PROTOCOL_ID_V11])
+                await bad.write(BAD_RPC)
+                await trio.sleep(1.0)
+                stream = await client.new_stream(server.get_id(), [ECHO])
+                await stream.write(b"still here")
+                return await stream.read()
+
+
+async def test_stock_node_dies_of_one_malformed_gossip_rpc():
+    with libp2p_patches.disabled():
+        with pytest.raises(BaseException) as caught:
+            await garbage_gossip_then_echo()
+    assert "DecodeError" in repr(caught.value) or "DecodeError" in str(caught.getrepr())
+
+
+async def test_patched_node_resets_the_stream_and_lives_on():
+    libp2p_patches.apply()
+    assert await garbage_gossip_then_echo() == b"still here"
