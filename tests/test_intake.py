@@ -167,6 +167,55 @@ async def test_acks_wait_for_a_shared_fsync(tmp_path):
     assert journal.fsyncs < 16  # group commit: waiting acks shared fsyncs
 
 
+async def test_a_checkpoint_cut_while_an_ack_waits_for_its_fsync_loses_nothing(tmp_path, monkeypatch):
+    """The journal record is written before the fsync, the checkpoint cut can fall before the ack: a restart from
+    that checkpoint still has the group, counted once (it was lost before: journaled before the cut, counted after)."""
+    intake = make_intake(tmp_path)
+    lease = intake.lease(WorkRequest(1), "alice", version=0)
+    release = trio.Event()
+    sync = intake.journal.sync
+
+    async def slow_sync(upto: int) -> None:
+        await release.wait()
+        await sync(upto)
+
+    monkeypatch.setattr(intake.journal, "sync", slow_sync)
+    acks = []
+
+    async def send() -> None:
+        acks.append(await intake.submit(group_for(intake, "alice", lease.tasks[0], lease, ["1", "22"]), "alice", 0))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(send)
+        with trio.fail_after(10):
+            while intake.journal.appended < 1:  # verified (scoring runs in a thread), then journaled
+                await trio.sleep(0.01)
+        await trio.testing.wait_all_tasks_blocked()  # now waiting for its fsync: no ack yet
+        assert not acks
+        saved = intake.begin_checkpoint()  # the trainer checkpoints now
+        intake.end_checkpoint(saved)
+        release.set()
+    assert acks[0].accepted
+    # the process dies; a new one starts from that checkpoint and the journal
+    restarted = make_intake_from(tmp_path, saved)
+    assert restarted.ledger.groups_accepted == 1 and restarted.buffered == 1
+
+
+def make_intake_from(tmp_path, saved) -> RolloutIntake:
+    settings = TrainerSettings(group_size=2, max_tokens=8, max_staleness=2)
+    intake = RolloutIntake(
+        ReverseDigitsTask(),
+        encode,
+        lambda ids: completion_text(ids, (EOS,), decode),
+        (EOS,),
+        score,
+        tmp_path / "journal",
+        settings,
+    )
+    intake.start(saved)
+    return intake
+
+
 async def test_fresh_identities_share_one_newcomer_budget_and_cannot_hoard_leases(tmp_path):
     """Issue 17, 6: every limit used to be per peer, so 50 identities took 50 times the budget. Now identities
     without an accepted record share one newcomer budget, and no peer holds more than a few open leases."""

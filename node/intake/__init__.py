@@ -149,14 +149,12 @@ class RolloutIntake:
             return RolloutAck(rejected=[(i, str(exc)) for i in ids])
         self.leases.close_seed(g.lease_id, g.seed)
         seq = self.journal.append(group, ids)
-        self.buffer.seen_ids.add(group.version, ids)  # known from here on: a resend waiting on the fsync is a duplicate
-        if self.settings.durable_acks:
-            try:
-                await self.journal.sync(seq)  # group commit: one fsync covers every append made before it
-            except BaseException:
-                self.buffer.seen_ids.discard(group.version, ids)
-                raise
+        # counted and buffered in the same event-loop turn as the append: a checkpoint cut can never fall between
+        # them (a group journaled before a cut but counted after it would be in neither the checkpoint nor the
+        # journal segments a restart replays). Training on it before the fsync is harmless; the ack waits.
         self._buffer(group, ids, count=True)
+        if self.settings.durable_acks:
+            await self.journal.sync(seq)  # group commit: one fsync covers every append made before it
         return RolloutAck(accepted=ids)
 
     def _count_refusal(self, peer: str) -> None:
