@@ -84,3 +84,31 @@ def test_only_the_kept_versions_stay_on_disk_and_old_ones_cannot_be_scored(tmp_p
     assert ln.logprobs(3, [g.prompt_ids], g.completions[:1], 1.0) is not None
     ln.skip_to_version(9)  # a restart after versions were published: nothing newer survives
     assert ln.scorer.kept() == [9]
+
+
+def test_a_version_is_written_while_the_next_step_runs_and_holds_exactly_the_named_weights(tmp_path, tiny_model_dir):
+    import threading
+    import time
+
+    from trainer.model import load_weights_into
+
+    ln = learner(tmp_path, tiny_model_dir, lr=1e-2)
+    ln.step(groups(2))
+    version = ln.name_version()
+    named = {k: v.clone() for k, v in ln.model.state_dict().items()}
+    result: dict[str, object] = {}
+    stepping = threading.Thread(target=lambda: result.update(ln.step(groups(2, seed=3))))
+    stepping.start()  # forward and backward run now; the optimizer step must wait for the file
+    time.sleep(0.5)
+    assert stepping.is_alive() and ln.steps == 1
+    assert all(torch.equal(v, named[k]) for k, v in ln.model.state_dict().items())  # nothing moved yet
+    ln.write_version(version)
+    stepping.join(timeout=60)
+    assert ln.steps == 2 and result["time_version_wait"] >= 0.3
+    assert any(not torch.equal(v, named[k]) for k, v in ln.model.state_dict().items())  # the step went on
+    written = learner(tmp_path / "check", tiny_model_dir).model
+    load_weights_into(written, ln.scorer.path(version))
+    assert all(torch.equal(v, named[k]) for k, v in written.state_dict().items())  # the bits named, exactly
+    with pytest.raises(ValueError, match="not the one named last"):
+        ln.name_version()
+        ln.write_version(version)

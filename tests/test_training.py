@@ -38,6 +38,14 @@ async def test_short_swarm_run_beats_the_untrained_model(tmp_path, tiny_model_di
             eval_size=64,
             linger=0.0,
         )
+        # publishing (a version per step) is made slower than a step: training must not wait for it
+        publish = trainer.role.publisher.publish
+
+        def slow_publish(*args):
+            time.sleep(0.5)
+            return publish(*args)
+
+        trainer.role.publisher.publish = slow_publish
         for i in range(2):
             await start_sampler(nursery, tmp_path, f"s{i}", boot)
         await wait_until(lambda: trainer.role.finished.is_set(), 400, 0.5, what="24 training steps")
@@ -49,7 +57,11 @@ async def test_short_swarm_run_beats_the_untrained_model(tmp_path, tiny_model_di
     assert evals[-1]["eval_reward"] > evals[0]["eval_reward"] + 0.05
     first, last = train[:6], train[-6:]
     assert sum(r["reward"] for r in last) / 6 > sum(r["reward"] for r in first) / 6
-    assert all(r["version"] == r["step"] for r in train)  # a version per step
+    # the loop never waited for the slow publisher: versions coalesced instead (one in flight at a time)
+    assert max(r["time_publish"] for r in train) < 0.25, [round(r["time_publish"], 3) for r in train]
+    published = [r["published"] for r in records if "published" in r]
+    assert published == sorted(set(published)) and len(published) >= 3
+    assert train[-1]["versions_coalesced"] > 0 and train[-1]["version"] < train[-1]["step"]
     assert max(r["staleness"] for r in train) <= 4
     assert (tmp_path / "trainer" / "reward_curve.png").stat().st_size > 1000
 

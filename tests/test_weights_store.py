@@ -105,6 +105,23 @@ def test_int8_encoding_downloads_a_byte_per_parameter(tmp_path, tiny_model_dir):
     assert all(t.dtype == "F32" for t in tensors)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_file_encoder_streams_the_same_bytes_as_the_in_memory_one(tmp_path, tiny_model_dir, dtype):
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from node.weights.encoding import encode_int8, encode_int8_file, read_float_tensors
+    from trainer.model import write_weights
+
+    src = tmp_path / "w.safetensors"
+    write_weights(load_model(tiny_model_dir), src, dtype)
+    encode_int8_file(src, tmp_path / "q.safetensors")
+    streamed, whole = load_file(str(tmp_path / "q.safetensors")), encode_int8(read_float_tensors(src))
+    assert streamed.keys() == whole.keys() and any(k.endswith(".__int8_scale__") for k in whole)
+    for k, v in whole.items():
+        assert streamed[k].dtype == v.dtype and np.array_equal(streamed[k], v), k
+
+
 def publish_versions(pub: Publisher, model_dir, n: int) -> list:
     """Publish ``n`` versions, each changing one tensor: [(manifest id, signed, manifest), ...]."""
     model = load_model(model_dir)

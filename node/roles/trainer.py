@@ -1,6 +1,11 @@
 """Trainer role: wires the rollout intake and the learner to the network. The loop, top to bottom:
 
-    batch = intake.next_batch()  ->  learner.step(batch)  ->  publish a version  ->  evaluate  ->  checkpoint
+    batch = intake.next_batch()  ->  learner.step(batch)  ->  name a version  ->  evaluate  ->  checkpoint
+
+A named version is written, cut into chunks, signed and announced by a background task while training goes on
+(the learner's next optimizer step waits only for the weights file). One version is in flight at a time: when
+publishing takes longer than ``publish_every`` steps, the next version is named as soon as the last one is out
+(versions coalesce; the loop never waits for the network side).
 
 Everything else is a handler (work leases, rollouts, weights) or a background loop (DHT provide, announce).
 """
@@ -89,6 +94,8 @@ class TrainerRole:
         self.busy_seconds = 0.0
         self.last_metrics: dict[str, float] = {}
         self.published: tuple[int, bytes] | None = None  # (version, manifest id)
+        self.publishing = False  # a named version is being written and published
+        self.versions_coalesced = 0  # due versions not named because the last one was still being published
         self.view = SwarmView()
         self.history: deque[dict[str, Any]] = deque(maxlen=5000)  # recent metric records, for the dashboard
         self.dashboard_url: str | None = None
@@ -165,41 +172,58 @@ class TrainerRole:
 
     # -- the loop ----------------------------------------------------------------------------------------
     async def train(self) -> None:
-        """Train whenever the intake holds a batch; never wait on any one sampler."""
+        """Train whenever the intake holds a batch; never wait on any one sampler, nor on publishing."""
         s, learner, intake = self.settings, self.learner, self.intake
         if learner.steps == 0:
             await self.evaluate()
-        while s.max_steps is None or learner.steps < s.max_steps:
-            batch = await intake.next_batch(s.batch_groups, learner.version)
-            t0 = time.monotonic()
-            metrics = await self._busy(learner.step, batch)
-            intake.trained(batch)
-            t1 = time.monotonic()
-            if learner.steps % s.publish_every == 0:
-                await self._busy(learner.new_version)
-                await self.publish()
-            metrics |= {
-                "time_learn": t1 - t0,
-                "time_publish": time.monotonic() - t1,
-                **self._verify_time(),
-                "publish_bytes": self.last_metrics.get("publish_bytes", 0),
-            }
-            self.record(
-                {
-                    **metrics,
-                    "busy_fraction": self._busy_fraction(),
-                    "forged": intake.forged,
-                    "stale_dropped": intake.ledger.groups_stale,
-                    "zero_signal_groups": intake.ledger.groups_no_signal,
-                    "rollouts_accepted": intake.ledger.rollouts_accepted,
+        due = False
+        async with trio.open_nursery() as background:
+            while s.max_steps is None or learner.steps < s.max_steps:
+                batch = await intake.next_batch(s.batch_groups, learner.version)
+                t0 = time.monotonic()
+                metrics = await self._busy(learner.step, batch)
+                intake.trained(batch)
+                t1 = time.monotonic()
+                if learner.steps % s.publish_every == 0:
+                    self.versions_coalesced += due  # the last due one was never named
+                    due = True
+                if due and not self.publishing:
+                    due = False
+                    self.publishing = True
+                    background.start_soon(self._publish_version, learner.name_version())
+                metrics |= {
+                    "time_learn": t1 - t0,
+                    "time_publish": time.monotonic() - t1 + metrics.pop("time_version_wait"),  # what the loop waited
+                    **self._verify_time(),
+                    "publish_bytes": self.last_metrics.get("publish_bytes", 0),
                 }
-            )
-            if learner.steps % s.eval_every == 0:
-                await self.evaluate()
-            if learner.steps % s.checkpoint_every == 0:
-                await self.checkpoint()
+                self.record(
+                    {
+                        **metrics,
+                        "busy_fraction": self._busy_fraction(),
+                        "forged": intake.forged,
+                        "stale_dropped": intake.ledger.groups_stale,
+                        "zero_signal_groups": intake.ledger.groups_no_signal,
+                        "rollouts_accepted": intake.ledger.rollouts_accepted,
+                        "versions_coalesced": self.versions_coalesced,
+                    }
+                )
+                if learner.steps % s.eval_every == 0:
+                    await self.evaluate()
+                if learner.steps % s.checkpoint_every == 0:
+                    await self.checkpoint()
         await self.checkpoint()
         self.finished.set()
+
+    async def _publish_version(self, version: int) -> None:
+        """Write a named version's weights (concurrently with the next step's forward and backward), publish them."""
+        t0 = time.monotonic()
+        try:
+            await trio.to_thread.run_sync(self.learner.write_version, version)
+            await self.publish(version)
+        finally:
+            self.publishing = False
+        self.record({"published": version, "publish_seconds": time.monotonic() - t0, **self._publish_stats()})
 
     async def _busy(self, fn: Callable[..., T], *args: Any) -> T:
         """Run learner work off the event loop, counting the time as the trainer's busy time."""
@@ -219,11 +243,11 @@ class TrainerRole:
         start = self.intake.first_accepted_at or time.monotonic()
         return self.busy_seconds / max(time.monotonic() - start, 1e-9)
 
-    async def publish(self) -> None:
-        """Publish the current weights as the learner's version and announce them by gossip."""
-        version = self.learner.version
+    async def publish(self, version: int | None = None) -> None:
+        """Publish a written version (the current one by default) and announce it by gossip."""
+        version = self.learner.version if version is None else version
         staging = self.publisher.staging_dir(version)
-        await trio.to_thread.run_sync(self.learner.save_model_dir, staging)
+        await trio.to_thread.run_sync(self.learner.save_model_dir, staging, version)
         mid, _, manifest = await trio.to_thread.run_sync(self.publisher.publish, staging, version)
         self.published = (version, mid)
         self.last_metrics["publish_bytes"] = manifest.update_size  # a patch's size when it travels as one
@@ -237,6 +261,12 @@ class TrainerRole:
         )
         await self.announce()
         await trio.to_thread.run_sync(self.store.gc, self.settings.max_staleness + 2)
+
+    def _publish_stats(self) -> dict[str, Any]:
+        st = self.publisher.last_stats
+        if st is None:
+            return {}
+        return {"publish_bytes": self.last_metrics.get("publish_bytes", 0), "publish_patch_seconds": st.patch_seconds}
 
     async def announce(self) -> None:
         if self.published is not None:

@@ -47,6 +47,67 @@ def read_float_tensors(path: Path) -> dict[str, np.ndarray]:
     return out
 
 
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
+SAFETENSORS_WIDTH = {"F32": 4, "I8": 1, "I32": 4, "I64": 8, "U8": 1, "BOOL": 1, "F64": 8, "F16": 2, "BF16": 2}
+
+
+def _as_float32(raw: bytes, meta: dict) -> np.ndarray:
+    if meta["dtype"] == "BF16":
+        return bf16_to_f32(np.frombuffer(raw, dtype="<u2")).reshape(meta["shape"])
+    return np.frombuffer(raw, dtype=NUMPY_DTYPES[meta["dtype"]]).astype(np.float32).reshape(meta["shape"])
+
+
+def encode_int8_file(src: Path, dst: Path) -> None:
+    """``encode_int8`` from file to file with one tensor in memory at a time (a trainer publishes multi-GB files;
+    reading one whole would cost its size again at the trainer's peak). Tensors are laid out widest dtype first, by
+    name, so every one starts aligned to its width."""
+    with open(src, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        metas = {k: v for k, v in json.loads(fh.read(n)).items() if k != "__metadata__"}
+        start = 8 + n
+
+        def read(name: str) -> bytes:
+            a, b = metas[name]["data_offsets"]
+            fh.seek(start + a)
+            return fh.read(b - a)
+
+        plan: list[tuple[str, str, list[int], str, str]] = []  # (out name, dtype, shape, source, part)
+        for name, meta in metas.items():
+            shape, floating = meta["shape"], meta["dtype"] in FLOAT_DTYPES
+            if len(shape) == 2 and floating:
+                plan += [(name, "I8", shape, name, "q"), (name + SCALE_SUFFIX, "F32", [shape[0]], name, "scale")]
+            else:
+                plan.append((name, "F32" if floating else meta["dtype"], shape, name, "float" if floating else "raw"))
+        plan.sort(key=lambda p: (-SAFETENSORS_WIDTH[p[1]], p[0]))
+        header: dict = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for out, dtype, shape, _src, _part in plan:
+            size = int(np.prod(shape, dtype=np.int64)) * SAFETENSORS_WIDTH[dtype]
+            header[out] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+            offset += size
+        head = json.dumps(header, separators=(",", ":")).encode()
+        head += b" " * (-len(head) % 8)
+        with open(dst, "wb") as out_fh:
+            out_fh.write(struct.pack("<Q", len(head)) + head)
+            for _out, _dtype, _shape, source, part in plan:
+                if part == "raw":
+                    out_fh.write(read(source))
+                    continue
+                w = _as_float32(read(source), metas[source])
+                if part == "float":
+                    out_fh.write(np.ascontiguousarray(w).tobytes())
+                    continue
+                q, scale = quantize_rows(w)
+                out_fh.write((q if part == "q" else scale).tobytes())
+
+
+def quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """int8 rowwise: (q, one fp32 scale per row = absmax / 127)."""
+    scale = np.maximum(np.abs(w).max(axis=1) / np.float32(127.0), np.float32(1e-12)).astype(np.float32)
+    q = np.clip(np.round(w / scale[:, None]), -127, 127).astype(np.int8)
+    return np.ascontiguousarray(q), np.ascontiguousarray(scale)
+
+
 def map_tensors(path: Path) -> dict[str, tuple[str, np.ndarray]]:
     """Every tensor of a safetensors file as (safetensors dtype, read-only memory-mapped numpy view), without
     reading the file: BF16 tensors as their uint16 bits. For engines that need a few elements of a new version."""
@@ -73,11 +134,7 @@ def encode_int8(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for name, t in state.items():
         if t.ndim == 2 and np.issubdtype(t.dtype, np.floating):
-            w = t.astype(np.float32)
-            scale = np.maximum(np.abs(w).max(axis=1) / np.float32(127.0), np.float32(1e-12)).astype(np.float32)
-            q = np.clip(np.round(w / scale[:, None]), -127, 127).astype(np.int8)
-            out[name] = np.ascontiguousarray(q)
-            out[name + SCALE_SUFFIX] = np.ascontiguousarray(scale)
+            out[name], out[name + SCALE_SUFFIX] = quantize_rows(t.astype(np.float32))
         else:
             out[name] = np.ascontiguousarray(t.astype(np.float32) if np.issubdtype(t.dtype, np.floating) else t)
     return out

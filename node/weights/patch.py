@@ -141,16 +141,30 @@ def digest(data) -> bytes:
     return h.digest()
 
 
+HASH_PIECE = 8 << 20  # bytes read at a time when hashing a file
+
+
 def hash_weights(path: Path, tensors: list[TensorEntry]) -> tuple[bytes, list[bytes]]:
-    """(blake3 of the header region, blake3 of every tensor) of a weights file with this layout."""
+    """(blake3 of the header region, blake3 of every tensor) of a weights file with this layout. Read a piece at a
+    time into one buffer: a memory map would count every page of a multi-GB file in the trainer's resident set."""
     if not tensors:
         return digest(Path(path).read_bytes()), []
-    mm = np.memmap(path, dtype=np.uint8, mode="r")
-    try:
-        view = memoryview(mm)
-        return digest(view[: tensors[0].offset]), [digest(view[t.offset : t.offset + t.nbytes]) for t in tensors]
-    finally:
-        del mm
+    buf = bytearray(HASH_PIECE)
+    view = memoryview(buf)
+
+    def hash_range(fh, start: int, length: int) -> bytes:
+        h = blake3.blake3(max_threads=blake3.blake3.AUTO) if length > (4 << 20) else blake3.blake3()
+        fh.seek(start)
+        while length > 0:
+            got = fh.readinto(view[: min(length, HASH_PIECE)])
+            if not got:
+                raise TensorMismatch(f"{path} is shorter than its layout")
+            h.update(view[:got])
+            length -= got
+        return h.digest()
+
+    with open(path, "rb") as fh:
+        return hash_range(fh, 0, tensors[0].offset), [hash_range(fh, t.offset, t.nbytes) for t in tensors]
 
 
 # -- varints --------------------------------------------------------------------------------------------------

@@ -20,9 +20,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from libp2p.crypto.keys import KeyPair
-from safetensors.numpy import save_file
 
-from node.weights.encoding import encode_int8, read_float_tensors
+from node.weights.encoding import encode_int8_file
 from node.weights.manifest import WEIGHTS_FILE, chunk_hash, cut_model_dir, cut_ranges, sign_manifest
 from node.weights.patch import OverBudget, build_patch, hash_weights, read_layout
 from node.weights.store import ChunkStore
@@ -121,9 +120,9 @@ class Publisher:
         t0 = time.perf_counter()
         weights = model_dir / WEIGHTS_FILE
         if self.encoding == "int8":
-            encoded = encode_int8(read_float_tensors(weights))
-            weights.unlink()  # it may be a hard link to the learner's own copy: never write through it
-            save_file(encoded, str(weights), metadata={"format": "pt"})
+            encoded = weights.with_name(weights.name + ".int8")
+            encode_int8_file(weights, encoded)
+            os.replace(encoded, weights)  # it may be a hard link to the learner's own copy: never write through it
         full_bytes = weights.stat().st_size
         parent = self.parent() if self.patches else None
         built, patch_seconds = None, 0.0
