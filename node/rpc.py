@@ -179,10 +179,13 @@ async def _refuse(stream: INetStream, name: str, remote: ID, exc: ProtocolError,
 
 
 async def _reset(stream: INetStream) -> None:
-    try:
-        await stream.reset()
-    except Exception:
-        pass
+    """Reset (RST) the stream, also from a cancelled scope (a timeout, a request superseded): unshielded, the
+    reset itself would be cancelled before it went out, and the peer would go on sending into a dead stream."""
+    with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+        try:
+            await stream.reset()
+        except Exception:
+            pass
 
 
 @dataclass

@@ -354,3 +354,54 @@ async def test_announcement_floods_and_replays_do_not_delay_versions(tmp_path, t
             await wait_until(lambda v=version: sampler.role.versions.engine == v, 30, what=f"version {version}")
             assert trio.current_time() - t0 < 8, "announcements held up a real version"
         nursery.cancel_scope.cancel()
+
+
+async def test_endgame_asks_a_second_peer_for_chunks_stuck_at_a_slow_one(tmp_path, tiny_model_dir):
+    """A slow peer and a fast one both hold a version; whatever the slow one was asked for is asked of the fast
+    one too once nothing else is left (endgame), and the slow request is cancelled when its chunks have arrived."""
+    from libp2p.crypto.ed25519 import create_new_key_pair
+
+    from node.strikes import Strikes
+    from node.weights.fetcher import Download
+    from node.weights.publish import Publisher
+    from node.weights.server import WeightServer
+    from tests.helpers import publish_model
+    from trainer.model import load_model
+
+    source = ChunkStore(tmp_path / "source")
+    publisher = Publisher(source, create_new_key_pair(), "t", chunk_size=CHUNK)
+    mid, _, manifest = publish_model(publisher, load_model(tiny_model_dir), 0, tiny_model_dir)
+    server = WeightServer(source)
+    slow_asked: list[int] = []
+
+    async def slow(message, remote):
+        kind, arg = w.parse_request(message)
+        if kind == "get_chunks":
+            slow_asked.append(len(arg))
+            await trio.sleep(30)
+        return await server.handle(message, remote)
+
+    async with AsyncExitStack() as stack:
+        hosts = [
+            await stack.enter_async_context(open_swarm(load_or_create_key(tmp_path / f"{n}.key"), LOOPBACK))
+            for n in ("slow", "fast", "me")
+        ]
+        slow_node, fast_node, me = hosts
+        handler = serve("slow", slow, w.MAX_REQUEST_FRAME, w.MAX_REPLY_FRAME, 60)
+        slow_node.host.set_stream_handler(w.PROTOCOL_ID, handler)
+        server.register(fast_node.host)
+        for node in (slow_node, fast_node):
+            await me.connect(info_from_p2p_addr(node.addrs()[0]))
+        store = ChunkStore(tmp_path / "me")
+        store.add_manifest(*source.manifest(mid))
+        download = Download(
+            me.host, store, manifest, mid, None, lambda: [slow_node.peer_id, fast_node.peer_id], Strikes(3),
+            batch=4,
+        )  # fmt: skip
+        t0 = trio.current_time()
+        with trio.fail_after(20):
+            await download.run()
+    assert not download.missing and trio.current_time() - t0 < 15, "the download waited for the slow peer"
+    assert slow_asked, "the slow peer was never asked: the test proves nothing"
+    assert download.stats.endgame_requests >= 1 and download.stats.cancelled_requests >= 1
+    assert store.missing(manifest) == []

@@ -12,6 +12,10 @@
   size), is dropped as a source for this download and struck; its claims stop counting towards rarity, and any
   chunk a request failed for becomes one the origin serves, so a liar cannot park chunks out of reach.
 - A peer that says "busy" or "rate_limited" (its upload limit) is simply asked again later.
+- Endgame (BitTorrent's): once every missing chunk a peer holds is already requested elsewhere, an idle worker asks
+  its (non-origin) peer for chunks requested only once so far, a small batch at a time; when every chunk of a
+  request has arrived by another route, that request is cancelled. The last chunks of a version no longer wait on
+  the slowest peer that happened to be asked first.
 - ``wanted`` restricts the download to one route's chunks (a version's patch, or its full files); the
   have-bitfields still index every chunk of the manifest, so peers on either route understand each other.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
@@ -38,6 +43,7 @@ log = logging.getLogger(__name__)
 
 STALL_GRACE = 1.0  # seconds without a chunk arriving after which the origin serves chunks others only claim
 ORIGIN_DECLINE_WAIT = 1.0  # seconds before asking the origin again for a chunk it declined (super-seeding)
+ENDGAME_BYTES = 1 << 20  # a duplicate (endgame) request asks for about this much
 
 
 @dataclass
@@ -48,6 +54,8 @@ class DownloadStats:
     withheld: dict[str, int] = field(default_factory=dict)  # advertised chunks a peer then said it lacked
     slow: dict[str, int] = field(default_factory=dict)  # replies that missed their size-scaled deadline
     dropped: list[str] = field(default_factory=list)  # peers no longer asked in this download
+    endgame_requests: int = 0  # duplicate requests for chunks already asked of another peer
+    cancelled_requests: int = 0  # requests whose every chunk arrived by another route first
 
 
 class Download:
@@ -100,7 +108,8 @@ class Download:
         want = set(wanted) if wanted is not None else None
         self.missing: set[int] = {self.index[h] for h in store.missing(manifest) if want is None or h in want}
         self.wanted_count = len(want & set(self.chunks)) if want is not None else len(self.chunks)
-        self.in_flight: set[int] = set()
+        self.in_flight: Counter[int] = Counter()  # chunk -> requests out for it
+        self._requests: list[tuple[ID, list[int], trio.CancelScope]] = []  # in flight: (peer, chunks, its scope)
         self.holders: dict[ID, set[int]] = {}
         self.heard: dict[ID, float] = {}  # when each peer's bitfield was last learned
         self.workers: dict[ID, int] = {}
@@ -127,7 +136,7 @@ class Download:
 
     def pick(self, peer: ID) -> list[int]:
         bits = self.holders.get(peer, set())
-        candidates = [i for i in self.missing if i in bits and i not in self.in_flight]
+        candidates = [i for i in self.missing if i in bits and not self.in_flight[i]]
         if peer == self.origin:
             # only what no credible peer can give us, unless nothing has arrived for a while (claims are not chunks);
             # never what it just declined to send again (it super-seeds: the first copies go to different peers)
@@ -135,12 +144,31 @@ class Download:
             candidates = [i for i in candidates if self.declined.get(i, 0.0) <= now]
             unique = [i for i in candidates if self.rarity(i) == 0 or i in self.failed]
             stalled = trio.current_time() - self._last_arrival > STALL_GRACE
-            candidates = unique or (candidates if stalled or not self.in_flight else [])
+            candidates = unique or (candidates if stalled or not any(self.in_flight.values()) else [])
+        elif not candidates:
+            return self._endgame(peer, bits)
         candidates.sort(key=lambda i: (self.rarity(i, exclude=peer), self._order[i]))
         # the origin's uplink is shared by every downloader: ~1 MiB at a time from it, so a reply never waits behind
         # a long queue (and times out, wasting what the link already carried)
         limit = self.batch if peer != self.origin else max(1, min(self.batch, (1 << 20) // self.typical))
         return candidates[:limit]
+
+    def _endgame(self, peer: ID, bits: set[int]) -> list[int]:
+        """Chunks this peer holds that are requested once, from someone else: the oldest requests first."""
+        asked_here = {i for p, chunks, _ in self._requests if p == peer for i in chunks}
+        out: list[int] = []
+        for _p, chunks, _ in self._requests:
+            for i in chunks:
+                if i in self.missing and i in bits and self.in_flight[i] == 1 and i not in asked_here and i not in out:
+                    out.append(i)
+        return out[: max(1, ENDGAME_BYTES // self.typical)]
+
+    def _cancel_superseded(self) -> None:
+        """Cancel every request whose chunks have all arrived by another route."""
+        for _peer, chunks, scope in self._requests:
+            if not scope.cancel_called and not any(i in self.missing for i in chunks):
+                scope.cancel()
+                self.stats.cancelled_requests += 1
 
     # -- the download ------------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -236,12 +264,19 @@ class Download:
                     with trio.move_on_after(self.have_interval):
                         await self._progress.wait()
                     continue
+                if any(self.in_flight[i] for i in batch):
+                    self.stats.endgame_requests += 1
                 self.in_flight.update(batch)
+                entry = (peer, batch, trio.CancelScope())
+                self._requests.append(entry)
+                ok = True
                 try:
-                    ok = await self._fetch(peer, batch)
+                    with entry[2]:
+                        ok = await self._fetch(peer, batch)
                 finally:
-                    self.in_flight.difference_update(batch)
-                failures = 0 if ok else failures + 1
+                    self._requests.remove(entry)
+                    self.in_flight.subtract(batch)
+                failures = 0 if ok else failures + 1  # (a cancelled request: every chunk came another way)
                 self._poke()
         finally:
             self.workers[peer] -= 1
@@ -291,6 +326,7 @@ class Download:
                 continue
             self.missing.discard(self.index[h])
             self.failed.discard(self.index[h])
+            self._cancel_superseded()
             self._last_arrival = trio.current_time()
             key = str(peer)
             self.stats.bytes_by_peer[key] = self.stats.bytes_by_peer.get(key, 0) + len(data)
