@@ -139,6 +139,9 @@ def run_size(root: Path, mparams: int, steps: int, dtype: str, publish_dtype: st
         "mparams": mparams,
         "params": n_params,
         "peak_rss_mb": t_status["peak_rss_mb"],
+        # the high-water mark before the first step (models loaded), after it (+ gradients, AdamW state, activations)
+        "rss_loaded_mb": records[0].get("peak_rss_mb", float("nan")),
+        "rss_first_step_mb": done[0].get("peak_rss_mb", float("nan")),
         "rss_per_param": t_status["peak_rss_mb"] * (1 << 20) / n_params,
         "learn_s": mean("time_learn"),
         "verify_s": mean("time_verify"),
@@ -234,6 +237,9 @@ def main() -> None:
     for a, b in itertools.pairwise(rows):
         marginal = (b["peak_rss_mb"] - a["peak_rss_mb"]) * (1 << 20) / (b["params"] - a["params"])
         lines.append(f"marginal trainer RSS {a['mparams']}M -> {b['mparams']}M: {marginal:.1f} bytes per parameter")
+        for key, what in (("rss_loaded_mb", "models loaded"), ("rss_first_step_mb", "after the first step")):
+            m = (b[key] - a[key]) * (1 << 20) / (b["params"] - a["params"])
+            lines.append(f"  of which, peak until {what}: {m:.1f} bytes per parameter")
     console.print(table)
     for line in lines[len(rows) :]:
         console.print(line)

@@ -536,3 +536,21 @@ def test_dense_changes_stop_the_diff_early_and_back_off(bf16_trainer):
     m = t.publish(16, step=1e-5)
     assert t.pub.last_stats.patch_seconds > 0 and m.patch is not None and m.patch.parent_id == t.metas[12][0]
     assert t.publish(17, step=1e-5).patch is not None
+
+
+def test_a_dense_diff_is_given_up_after_a_tenth_of_the_weights(tmp_path):
+    """The patch of the first tenth, extrapolated, is far over budget: no need to diff (and compress) the rest."""
+    from safetensors.numpy import save_file
+
+    from node.weights.patch import OverBudget, build_patch
+
+    rng = np.random.default_rng(0)
+    old = {f"t{i:02d}": rng.standard_normal(20_000).astype(np.float32) for i in range(40)}
+    new = {k: v + rng.standard_normal(v.shape).astype(np.float32) for k, v in old.items()}  # all change, at random
+    save_file(old, str(tmp_path / "old.safetensors"))
+    save_file(new, str(tmp_path / "new.safetensors"))
+    full = (tmp_path / "new.safetensors").stat().st_size
+    with pytest.raises(OverBudget, match=r"for 1\d% of the weights: ~\d+ in all"):
+        build_patch(tmp_path / "old.safetensors", tmp_path / "new.safetensors", budget=full // 3)
+    # a budget the patch fits is not refused by the projection
+    assert build_patch(tmp_path / "old.safetensors", tmp_path / "new.safetensors", budget=2 * full) is not None

@@ -32,6 +32,7 @@ from node.host import Swarm
 from node.intake import RolloutIntake
 from node.metrics import append_jsonl, plot_curve, read_jsonl
 from node.rpc import serve
+from node.runtime import peak_rss_mb
 from node.settings import Settings
 from node.weights.gossip import announce_topic
 from node.weights.publish import Publisher
@@ -302,7 +303,13 @@ class TrainerRole:
 
     def record(self, values: dict[str, Any]) -> None:
         self.last_metrics.update(values)
-        record = {"time": time.time(), "step": self.learner.steps, "version": self.learner.version, **values}
+        record = {
+            "time": time.time(),
+            "step": self.learner.steps,
+            "version": self.learner.version,
+            "peak_rss_mb": peak_rss_mb(),  # the high-water mark so far: where in a run memory peaks
+            **values,
+        }
         self.history.append(record)
         append_jsonl(self.metrics_path, record)
 
