@@ -41,7 +41,7 @@ from node.weights.sync import WeightSync
 from protocols import weights as w
 from trainer.model import load_model, save_model_dir
 
-PATCH_FRACTION = 0.5  # the product's default patch_max_fraction
+PATCH_FRACTION = 0.3  # the product's default patch_max_fraction
 WHOLE = 1e-12  # a patch_max_fraction no patch fits under: the version is shipped whole
 
 

@@ -68,7 +68,7 @@ class WeightSettings:
     chunk_size: int = knob(1 << 20, "largest chunk in bytes")
     anchor_every: int = knob(10, "a full anchor version at least every K versions; those between travel as patches")
     patch_max_fraction: float = knob(
-        0.5, "publish an anchor instead of a patch larger than this fraction of the weights (0: never patch)"
+        0.3, "publish an anchor instead of a patch larger than this fraction of the weights (0: never patch)"
     )
     announce_interval: float = knob(2.0, "seconds between the trainer's re-announcements of its newest version")
     poll_interval: float = knob(5.0, "seconds between a node's manifest polls of the trainer")

@@ -177,7 +177,7 @@ class TrainerRole:
         s, learner, intake = self.settings, self.learner, self.intake
         if learner.steps == 0:
             await self.evaluate()
-        due = False
+        due, named_at = False, learner.steps
         async with trio.open_nursery() as background:
             while s.max_steps is None or learner.steps < s.max_steps:
                 batch = await intake.next_batch(s.batch_groups, learner.version)
@@ -189,7 +189,7 @@ class TrainerRole:
                     self.versions_coalesced += due  # the last due one was never named
                     due = True
                 if due and not self.publishing:
-                    due = False
+                    due, named_at = False, learner.steps
                     self.publishing = True
                     background.start_soon(self._publish_version, learner.name_version())
                 metrics |= {
@@ -213,6 +213,8 @@ class TrainerRole:
                     await self.evaluate()
                 if learner.steps % s.checkpoint_every == 0:
                     await self.checkpoint()
+        if learner.steps > named_at:  # the last steps' weights go out too: the run's final version
+            await self._publish_version(learner.name_version())
         await self.checkpoint()
         self.finished.set()
 
