@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import traceback
 from pathlib import Path
 
 import trio
@@ -221,6 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as exc:
         user_errors = exc.split(UserError)[0] if isinstance(exc, BaseExceptionGroup) else exc
         if not isinstance(user_errors, (UserError, BaseExceptionGroup)):
+            if isinstance(exc, BaseExceptionGroup):  # a crash: the nested groups hide it (10 levels shown at most)
+                leaf = first_leaf(exc)
+                traceback.print_exception(leaf, file=sys.stderr)
+                print(f"swarmrl: crashed: {type(leaf).__name__}: {leaf}", file=sys.stderr)
+                return 1
             raise
         print(f"swarmrl: error: {first_leaf(user_errors)}", file=sys.stderr)
         return 2

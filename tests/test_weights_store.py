@@ -157,3 +157,34 @@ def test_gc_never_drops_the_last_complete_version_for_newer_partial_ones(publish
     reopened = ChunkStore(tmp_path / "sampler")
     assert reopened.latest()[2].version == 0
     assert [mine.manifest(m[0]) is not None for m in metas] == [True, False, False, True, True]
+
+
+def test_two_threads_storing_one_chunk_at_once_both_succeed(tmp_path):
+    """An endgame duplicate arrives beside the original: both writes of the same chunk must succeed (they shared
+    one temporary file name, and the second rename crashed the sampler in the WAN scenario)."""
+    import threading
+
+    from node.weights.manifest import chunk_hash
+
+    store = ChunkStore(tmp_path / "s")
+    data = bytes(range(256)) * 4096
+    h = chunk_hash(data)
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(8)
+
+    def write() -> None:
+        barrier.wait()
+        try:
+            for _ in range(20):
+                store._present.discard(h)  # as if it had not arrived yet, every time
+                store.write(h, data)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:1]
+    assert store.read(h) == data and ChunkStore(tmp_path / "s").read(h) == data

@@ -163,10 +163,10 @@ class Download:
                     out.append(i)
         return out[: max(1, ENDGAME_BYTES // self.typical)]
 
-    def _cancel_superseded(self) -> None:
-        """Cancel every request whose chunks have all arrived by another route."""
+    def _cancel_superseded(self, mine: list[int]) -> None:
+        """Cancel every other request (not the one whose batch is ``mine``) whose chunks have all arrived."""
         for _peer, chunks, scope in self._requests:
-            if not scope.cancel_called and not any(i in self.missing for i in chunks):
+            if chunks is not mine and not scope.cancel_called and not any(i in self.missing for i in chunks):
                 scope.cancel()
                 self.stats.cancelled_requests += 1
 
@@ -317,6 +317,8 @@ class Download:
             self._failed(peer, batch, f"{type(exc).__name__}: {exc}")
             return False
         for h, data in found.items():
+            if self.index[h] not in self.missing:
+                continue  # it arrived by another route meanwhile (endgame)
             try:
                 await trio.to_thread.run_sync(self.store.write, h, data)  # checks blake3 before storing
             except BadChunk:
@@ -326,7 +328,7 @@ class Download:
                 continue
             self.missing.discard(self.index[h])
             self.failed.discard(self.index[h])
-            self._cancel_superseded()
+            self._cancel_superseded(batch)
             self._last_arrival = trio.current_time()
             key = str(peer)
             self.stats.bytes_by_peer[key] = self.stats.bytes_by_peer.get(key, 0) + len(data)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import msgpack
@@ -51,6 +52,8 @@ class ChunkStore:
         self.versions_dir = self.root / "versions"
         for d in (self.chunk_dir, self.manifest_dir, self.versions_dir):
             d.mkdir(parents=True, exist_ok=True)
+        for stray in self.chunk_dir.glob("*/*.tmp"):  # a write cut short by a killed process
+            stray.unlink(missing_ok=True)
         self._present: set[bytes] = {bytes.fromhex(p.name) for p in self.chunk_dir.glob("*/*") if len(p.name) == 64}
         self._manifests: dict[bytes, tuple[SignedManifest, Manifest]] = {}
         for p in self.manifest_dir.glob("*.bin"):
@@ -112,7 +115,9 @@ class ChunkStore:
             return
         path = self._chunk_path(h)
         path.parent.mkdir(exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        # a temporary name of its own: two threads may store the same chunk at once (an endgame duplicate arriving
+        # beside the original); each rename then installs identical bytes
+        tmp = path.with_name(f"{path.name}.{threading.get_ident()}.tmp")
         tmp.write_bytes(data)
         os.replace(tmp, path)
         self._present.add(h)
