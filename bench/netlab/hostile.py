@@ -373,6 +373,7 @@ def main() -> None:
     p.add_argument("--config", type=Path, required=True)
     p.add_argument("--data-dir", type=Path, required=True)
     p.add_argument("--listen", required=True)
+    p.add_argument("--arm-file", type=Path, default=None, help="inject: sample nothing until this file exists")
     args = p.parse_args()
     setup_logging(verbose=False)
     config = NodeConfig(
@@ -388,7 +389,14 @@ def main() -> None:
         from node.local_swarm import settings
         from node.roles.sampler import SamplerRole
 
+        arm_file = args.arm_file
+
         class Injector(SamplerRole):
+            async def _work_loop(self, swarm: Swarm) -> None:
+                while arm_file is not None and not arm_file.exists():  # booted and synced, waiting for its turn
+                    await trio.sleep(0.2)
+                await super()._work_loop(swarm)
+
             def status(self) -> dict[str, Any]:
                 return {**super().status(), "mode": "inject"}
 

@@ -99,10 +99,10 @@ class WanSwarm:
         self.procs[name] = self.lab.popen(name, argv, self.root / f"{name}.log", nice=nice)
         self.event(f"start {name}")
 
-    def start_hostile(self, name: str, mode: str) -> None:
+    def start_hostile(self, name: str, mode: str, *extra: str) -> None:
         argv = [
             sys.executable, "-m", "bench.netlab.hostile", "--mode", mode, "--config", str(self.config),
-            "--data-dir", str(self.root / name), "--listen", f"/ip4/{self.lab.hosts[name].ip}/tcp/{PORT}",
+            "--data-dir", str(self.root / name), "--listen", f"/ip4/{self.lab.hosts[name].ip}/tcp/{PORT}", *extra,
         ]  # fmt: skip
         self.procs[name] = self.lab.popen(name, argv, self.root / f"{name}.log", nice=5)
         self.event(f"start {name} ({mode})")
