@@ -145,7 +145,7 @@ async def test_reachability_relay_and_fresh_dial_backs_on_loopback():
 def test_nat_swarm_converges_with_relays_and_hole_punching(tmp_path, tiny_model_dir):
     from bench.nat import report, run_scenario, save
 
-    result = run_scenario(tmp_path, tiny_model_dir, steps=30)
+    result = run_scenario(tmp_path, tiny_model_dir, steps=40)
     print(report(result))
     save(result, tmp_path / "results")
     rows = {r["sampler"]: r for r in result["samplers"]}
