@@ -34,7 +34,8 @@ def score(version, prompts, completions, temperature, top_p):
     return [[TokenDraw(-1.0, 0.0, 1.0) for _ in c] for c in completions]
 
 
-def make_intake(tmp_path, **kw) -> RolloutIntake:
+def make_intake(tmp_path, saved: dict | None = None, **kw) -> RolloutIntake:
+    """An intake journaling under ``tmp_path``, started fresh or from a checkpoint's ``saved`` state."""
     settings = TrainerSettings(group_size=2, max_tokens=8, max_staleness=2, **kw)
     intake = RolloutIntake(
         ReverseDigitsTask(),
@@ -45,7 +46,7 @@ def make_intake(tmp_path, **kw) -> RolloutIntake:
         tmp_path / "journal",
         settings,
     )
-    intake.start(None)
+    intake.start(saved)
     return intake
 
 
@@ -197,23 +198,8 @@ async def test_a_checkpoint_cut_while_an_ack_waits_for_its_fsync_loses_nothing(t
         release.set()
     assert acks[0].accepted
     # the process dies; a new one starts from that checkpoint and the journal
-    restarted = make_intake_from(tmp_path, saved)
+    restarted = make_intake(tmp_path, saved)
     assert restarted.ledger.groups_accepted == 1 and restarted.buffered == 1
-
-
-def make_intake_from(tmp_path, saved) -> RolloutIntake:
-    settings = TrainerSettings(group_size=2, max_tokens=8, max_staleness=2)
-    intake = RolloutIntake(
-        ReverseDigitsTask(),
-        encode,
-        lambda ids: completion_text(ids, (EOS,), decode),
-        (EOS,),
-        score,
-        tmp_path / "journal",
-        settings,
-    )
-    intake.start(saved)
-    return intake
 
 
 async def test_fresh_identities_share_one_newcomer_budget_and_cannot_hoard_leases(tmp_path):
