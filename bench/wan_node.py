@@ -31,6 +31,7 @@ from node.config import NodeConfig, load_config_file
 from node.discovery import find_role, provide_forever, role_key
 from node.host import Swarm
 from node.runtime import run_node
+from node.settings import WeightSettings
 from node.weights.chain import Step
 from node.weights.gossip import announce_topic
 from node.weights.patch import WeightChanges
@@ -41,7 +42,7 @@ from node.weights.sync import WeightSync
 from protocols import weights as w
 from trainer.model import load_model, save_model_dir
 
-PATCH_FRACTION = 0.3  # the product's default patch_max_fraction
+PATCH_FRACTION = WeightSettings().patch_max_fraction  # the product's default
 WHOLE = 1e-12  # a patch_max_fraction no patch fits under: the version is shipped whole
 
 

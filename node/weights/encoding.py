@@ -14,6 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
+from node.weights.patch import read_layout, read_span
+from protocols.weights import TensorEntry
+
 SCALE_SUFFIX = ".__int8_scale__"
 NUMPY_DTYPES = {
     "F32": np.float32,
@@ -40,8 +43,7 @@ def read_float_tensors(path: Path) -> dict[str, np.ndarray]:
         a, b = meta["data_offsets"]
         raw = data[start + a : start + b]
         if meta["dtype"] == "BF16":
-            bits = np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16
-            out[name] = bits.view(np.float32).reshape(meta["shape"])
+            out[name] = bf16_to_f32(np.frombuffer(raw, dtype="<u2")).reshape(meta["shape"])
         else:
             out[name] = np.frombuffer(raw, dtype=NUMPY_DTYPES[meta["dtype"]]).reshape(meta["shape"])
     return out
@@ -51,54 +53,46 @@ FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
 SAFETENSORS_WIDTH = {"F32": 4, "I8": 1, "I32": 4, "I64": 8, "U8": 1, "BOOL": 1, "F64": 8, "F16": 2, "BF16": 2}
 
 
-def _as_float32(raw: bytes, meta: dict) -> np.ndarray:
-    if meta["dtype"] == "BF16":
-        return bf16_to_f32(np.frombuffer(raw, dtype="<u2")).reshape(meta["shape"])
-    return np.frombuffer(raw, dtype=NUMPY_DTYPES[meta["dtype"]]).astype(np.float32).reshape(meta["shape"])
+def _as_float32(raw: np.ndarray, t: TensorEntry) -> np.ndarray:
+    if t.dtype == "BF16":
+        return bf16_to_f32(raw.view("<u2")).reshape(t.shape)
+    return raw.view(NUMPY_DTYPES[t.dtype]).astype(np.float32).reshape(t.shape)
 
 
 def encode_int8_file(src: Path, dst: Path) -> None:
     """``encode_int8`` from file to file with one tensor in memory at a time (a trainer publishes multi-GB files;
     reading one whole would cost its size again at the trainer's peak). Tensors are laid out widest dtype first, by
     name, so every one starts aligned to its width."""
-    with open(src, "rb") as fh:
-        (n,) = struct.unpack("<Q", fh.read(8))
-        metas = {k: v for k, v in json.loads(fh.read(n)).items() if k != "__metadata__"}
-        start = 8 + n
-
-        def read(name: str) -> bytes:
-            a, b = metas[name]["data_offsets"]
-            fh.seek(start + a)
-            return fh.read(b - a)
-
-        plan: list[tuple[str, str, list[int], str, str]] = []  # (out name, dtype, shape, source, part)
-        for name, meta in metas.items():
-            shape, floating = meta["shape"], meta["dtype"] in FLOAT_DTYPES
-            if len(shape) == 2 and floating:
-                plan += [(name, "I8", shape, name, "q"), (name + SCALE_SUFFIX, "F32", [shape[0]], name, "scale")]
-            else:
-                plan.append((name, "F32" if floating else meta["dtype"], shape, name, "float" if floating else "raw"))
-        plan.sort(key=lambda p: (-SAFETENSORS_WIDTH[p[1]], p[0]))
-        header: dict = {"__metadata__": {"format": "pt"}}
-        offset = 0
-        for out, dtype, shape, _src, _part in plan:
-            size = int(np.prod(shape, dtype=np.int64)) * SAFETENSORS_WIDTH[dtype]
-            header[out] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
-            offset += size
-        head = json.dumps(header, separators=(",", ":")).encode()
-        head += b" " * (-len(head) % 8)
-        with open(dst, "wb") as out_fh:
-            out_fh.write(struct.pack("<Q", len(head)) + head)
-            for _out, _dtype, _shape, source, part in plan:
-                if part == "raw":
-                    out_fh.write(read(source))
-                    continue
-                w = _as_float32(read(source), metas[source])
-                if part == "float":
-                    out_fh.write(np.ascontiguousarray(w).tobytes())
-                    continue
-                q, scale = quantize_rows(w)
-                out_fh.write((q if part == "q" else scale).tobytes())
+    _head, tensors = read_layout(src)
+    plan: list[tuple[str, str, list[int], TensorEntry, str]] = []  # (out name, dtype, shape, source, part)
+    for t in tensors:
+        floating = t.dtype in FLOAT_DTYPES
+        if len(t.shape) == 2 and floating:
+            plan += [(t.name, "I8", t.shape, t, "q"), (t.name + SCALE_SUFFIX, "F32", [t.shape[0]], t, "scale")]
+        else:
+            plan.append((t.name, "F32" if floating else t.dtype, t.shape, t, "float" if floating else "raw"))
+    plan.sort(key=lambda p: (-SAFETENSORS_WIDTH[p[1]], p[0]))
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for out, dtype, shape, _src, _part in plan:
+        size = int(np.prod(shape, dtype=np.int64)) * SAFETENSORS_WIDTH[dtype]
+        header[out] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    with open(src, "rb") as fh, open(dst, "wb") as out_fh:
+        out_fh.write(struct.pack("<Q", len(head)) + head)
+        for _out, _dtype, _shape, t, part in plan:
+            raw = read_span(fh, t.offset, t.nbytes)
+            if part == "raw":
+                out_fh.write(raw.data)
+                continue
+            w = _as_float32(raw, t)
+            if part == "float":
+                out_fh.write(np.ascontiguousarray(w).tobytes())
+                continue
+            q, scale = quantize_rows(w)
+            out_fh.write((q if part == "q" else scale).tobytes())
 
 
 def quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

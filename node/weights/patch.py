@@ -136,8 +136,13 @@ def width_of(t: TensorEntry) -> int | None:
     return t.nbytes // n
 
 
+def hasher(length: int) -> blake3.blake3:
+    """A blake3 hasher for ``length`` bytes: multithreaded above 4 MiB, where it pays."""
+    return blake3.blake3(max_threads=blake3.blake3.AUTO) if length > (4 << 20) else blake3.blake3()
+
+
 def digest(data) -> bytes:
-    h = blake3.blake3(max_threads=blake3.blake3.AUTO) if len(data) > (4 << 20) else blake3.blake3()
+    h = hasher(len(data))
     h.update(data)
     return h.digest()
 
@@ -154,7 +159,7 @@ def hash_weights(path: Path, tensors: list[TensorEntry]) -> tuple[bytes, list[by
     view = memoryview(buf)
 
     def hash_range(fh, start: int, length: int) -> bytes:
-        h = blake3.blake3(max_threads=blake3.blake3.AUTO) if length > (4 << 20) else blake3.blake3()
+        h = hasher(length)
         fh.seek(start)
         while length > 0:
             got = fh.readinto(view[: min(length, HASH_PIECE)])
