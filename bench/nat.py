@@ -48,8 +48,11 @@ def unavailable() -> str | None:
     return lab_unavailable() or nat_unavailable(install=True)
 
 
-def run_scenario(root: Path, model_dir: Path, steps: int = 30, timeout: float = 480.0, log=print) -> dict:
-    """Run the swarm until the trainer has taken ``steps`` steps and every sampler holds its last version."""
+def run_scenario(
+    root: Path, model_dir: Path, steps: int = 30, timeout: float = 480.0, punch_wait: float = 150.0, log=print
+) -> dict:
+    """Run the swarm until the trainer has taken ``steps`` steps and every sampler holds its last version (then up
+    to ``punch_wait`` seconds more, until the two cone-NAT samplers have punched a hole to each other)."""
     lab = NatLab(root / "lab", wan_links())
     swarm = nat_swarm_class()(
         lab,
@@ -58,6 +61,7 @@ def run_scenario(root: Path, model_dir: Path, steps: int = 30, timeout: float = 
         swarm_name="nat",
         trainer_args=trainer_args(steps),
         sampler_args=["--engine", "mlx", "--bits", "none", "--reachability-interval", "20"],
+        env={"SWARMRL_DEBUG": "libp2p.relay.circuit_v2.dcutr"},  # each punch's dials in the logs (punch_log)
     )
     swarm.plan_nat(KINDS)
     swarm.write_config()
@@ -87,6 +91,13 @@ def run_scenario(root: Path, model_dir: Path, steps: int = 30, timeout: float = 
                 raise AssertionError(f"no convergence within {timeout:.0f} s: {versions}, trainer {trainer}")
             time.sleep(0.5)
         converged_s = time.time() - t0
+        # the cone-NAT pair punches a hole to each other; on a busy box an attempt can fail (an end too busy to dial
+        # within the round) and the retry comes after a pause (node/reachability.py): give it time, the swarm runs on
+        cones = [n for n, kind in zip(samplers, KINDS, strict=True) if kind == "cone"]
+        deadline = time.time() + punch_wait
+        while not punched_pair(swarm, *cones) and time.time() < deadline:
+            time.sleep(1.0)
+        cone_punch_s = round(time.time() - t0, 1) if punched_pair(swarm, *cones) else None
         time.sleep(1.0)  # one more status write everywhere
         states = {n: swarm.status(n) for n in ["boot", "trainer", *samplers]}
     ids = {n: states[n].get("peer_id") for n in states}
@@ -137,6 +148,7 @@ def run_scenario(root: Path, model_dir: Path, steps: int = 30, timeout: float = 
         "steps": steps,
         "final_version": final,
         "converged_s": round(converged_s, 1),
+        "cone_pair_punched_s": cone_punch_s,  # when the cone pair held a hole-punched connection (None: never)
         "samplers": rows,
         "trainer": {
             "chunk_bytes_served": trainer.get("bytes_uploaded", 0),
@@ -161,6 +173,23 @@ def run_scenario(root: Path, model_dir: Path, steps: int = 30, timeout: float = 
     }
 
 
+def punched_pair(swarm, a: str, b: str) -> bool:
+    """Whether a hole punch ever connected ``a`` and ``b`` (either end's record)."""
+    sa, sb = swarm.status(a), swarm.status(b)
+    return sb.get("peer_id") in sa.get("hole_punches", {}).get("peers", []) or sa.get("peer_id") in sb.get(
+        "hole_punches", {}
+    ).get("peers", [])
+
+
+def punch_log(root: Path, name: str, lines: int = 40) -> str:
+    """The last DCUtR lines of a node's log: what its hole punches dialed and how each ended."""
+    try:
+        text = (root / f"{name}.log").read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join([ln[:240] for ln in text if "dcutr" in ln or "hole punch" in ln][-lines:])
+
+
 def report(result: dict) -> str:
     lines = [
         f"bench/nat: 8 samplers on the emulated WAN, 4 behind NATs (2 cone, 2 symmetric); {result['steps']} trainer "
@@ -180,8 +209,11 @@ def report(result: dict) -> str:
         )
     t = result["trainer"]
     m = result["mean_served"]
+    punched = result.get("cone_pair_punched_s")
     lines += [
         "",
+        "the two cone-NAT samplers: "
+        + (f"hole-punched to each other by {punched} s" if punched is not None else "never hole-punched to each other"),
         f"trainer served {t['chunk_bytes_served'] / 1e6:.2f} MB of chunks; all chunk bytes served: "
         f"{result['chunk_bytes_total'] / 1e6:.2f} MB",
         f"mean chunk bytes served: public {m['public'] / 1e6:.2f} MB, cone {m['cone'] / 1e6:.2f} MB, symmetric "

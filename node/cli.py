@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -27,6 +28,12 @@ def setup_logging(verbose: bool) -> None:
     )
     for noisy in ("libp2p", "multiaddr", "httpx", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.CRITICAL if not verbose else logging.INFO)
+    # SWARMRL_DEBUG=libp2p.relay.circuit_v2.dcutr,node.weights: debug output from just these loggers (lab runs)
+    # (libp2p's own logger does not propagate, so these get the root's handlers directly)
+    for name in filter(None, os.environ.get("SWARMRL_DEBUG", "").split(",")):
+        chosen = logging.getLogger(name.strip())
+        chosen.setLevel(logging.DEBUG)
+        chosen.handlers, chosen.propagate = list(logging.getLogger().handlers), False
 
 
 def add_node_args(p: argparse.ArgumentParser) -> None:

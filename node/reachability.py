@@ -55,7 +55,7 @@ from libp2p.host.autonat.pb.autonat_pb2 import Message
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
-from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
+from libp2p.relay.circuit_v2.dcutr import MAX_HOLE_PUNCH_ATTEMPTS, DCUtRProtocol
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL_ID
 from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
 from libp2p.relay.circuit_v2.resources import RelayLimits
@@ -74,6 +74,7 @@ DIAL_BACK_EVERY = 5.0  # a peer may ask us for a dial-back this often
 QUERY_TIMEOUT = 15.0
 RELAYS_WANTED = 2
 DIRECT_DIAL_TIMEOUT = 4.0  # before falling back to a relay
+PUNCH_RETRY_AFTER = 60.0  # seconds between rounds of hole-punch attempts for a pair that stays relayed
 RELAYED_GRACE = 5.0  # a relayed connection is closed this long after a direct one to the same peer is up
 MAX_READ = 1 << 16
 
@@ -191,6 +192,8 @@ class HolePunch(DCUtRProtocol):
         self.upgraded: set[ID] = set()  # relayed peers that turned out directly dialable
         self.tried = 0
         self.failed = 0
+        self.retries = 0  # fresh attempt budgets given to pairs that stayed relayed
+        self._gave_up: dict[ID, float] = {}
 
     async def _auto_drive_loop(self) -> None:
         me = str(self.host.get_id())
@@ -200,7 +203,7 @@ class HolePunch(DCUtRProtocol):
             for peer_id, conns in list((getattr(network, "connections", {}) or {}).items()):
                 if str(peer_id) >= me or peer_id in self._in_progress:
                     continue  # the other end drives this pair
-                if self._hole_punch_attempts.get(peer_id, 0) >= 3:
+                if not self._may_try(peer_id):
                     continue
                 conns = conns if isinstance(conns, list) else [conns]
                 kinds = [_conn_kind(c) for c in conns]
@@ -208,6 +211,22 @@ class HolePunch(DCUtRProtocol):
                     continue
                 assert self._nursery is not None
                 self._nursery.start_soon(self._drive_one, peer_id)
+
+    def _may_try(self, peer_id: ID) -> bool:
+        """Up to ``MAX_HOLE_PUNCH_ATTEMPTS`` attempts in a row (the library's budget), then a pause of
+        ``PUNCH_RETRY_AFTER`` and a fresh budget: a punch that failed because an end was too busy to dial in time
+        gets another chance while the pair stays relayed, at a few small relayed messages a minute."""
+        if self._hole_punch_attempts.get(peer_id, 0) < MAX_HOLE_PUNCH_ATTEMPTS:
+            self._gave_up.pop(peer_id, None)
+            return True
+        now = trio.current_time()
+        gave_up = self._gave_up.setdefault(peer_id, now)
+        if now - gave_up < PUNCH_RETRY_AFTER:
+            return False
+        del self._gave_up[peer_id]
+        self._hole_punch_attempts[peer_id] = 0
+        self.retries += 1
+        return True
 
     async def _drive_one(self, peer_id: ID) -> None:
         try:
@@ -542,6 +561,7 @@ class Reachability:
             "hole_punches": {
                 "tried": self.punch.tried,
                 "failed": self.punch.failed,
+                "retries": self.punch.retries,
                 "punched": len(self.punch.punched),
                 "direct_upgrades": len(self.punch.upgraded),
                 "peers": sorted(str(p) for p in self.punch.punched)[:64],  # every peer a punch ever connected us to

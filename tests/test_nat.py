@@ -15,6 +15,7 @@ import multiaddr
 import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
 from bench.netlab.nat import NatLab, nat_unavailable
@@ -140,10 +141,29 @@ async def test_reachability_relay_and_fresh_dial_backs_on_loopback():
         assert PRIVATE != a.reach.state
 
 
+async def test_a_pair_that_stays_relayed_gets_a_fresh_hole_punch_budget_after_a_pause(monkeypatch):
+    """After the library's attempts in a row fail (an end too busy to dial in time), the pair is left alone for a
+    while, then tried again: a long-lived relayed pair is not given up on for good."""
+    import node.reachability as reachability
+
+    monkeypatch.setattr(reachability, "PUNCH_RETRY_AFTER", 0.2)
+    loop = multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")
+    async with open_swarm(create_new_key_pair(), loop, reach=ReachOptions()) as a:
+        punch, other = a.reach.punch, ID.from_pubkey(create_new_key_pair().public_key)
+        assert punch._may_try(other)
+        punch._hole_punch_attempts[other] = reachability.MAX_HOLE_PUNCH_ATTEMPTS
+        assert not punch._may_try(other)  # budget spent: pause
+        await trio.sleep(0.1)
+        assert not punch._may_try(other)
+        await trio.sleep(0.15)
+        assert punch._may_try(other) and punch._hole_punch_attempts[other] == 0 and punch.retries == 1
+        assert a.reach.status()["hole_punches"]["retries"] == 1
+
+
 @needs_lab
 @pytest.mark.slow
 def test_nat_swarm_converges_with_relays_and_hole_punching(tmp_path, tiny_model_dir):
-    from bench.nat import report, run_scenario, save
+    from bench.nat import punch_log, report, run_scenario, save
 
     result = run_scenario(tmp_path, tiny_model_dir, steps=40)
     print(report(result))
@@ -159,7 +179,9 @@ def test_nat_swarm_converges_with_relays_and_hole_punching(tmp_path, tiny_model_
             assert r["relay_reservations"] >= 1, r
     assert result["trainer"]["reachability"] == PUBLIC and result["boot_reachability"] == PUBLIC
     # the two cone-NAT samplers got a direct connection to each other by hole punching (at some point: on this
-    # busy box a connection can die later, and the reconnection then goes through a relay and punches again)
+    # busy box an attempt can fail or a connection die later; the pair is then tried again after a pause)
+    logs = "\n".join(f"--- {n}\n{punch_log(tmp_path, n)}" for n in ("s4", "s5"))
+    assert result["cone_pair_punched_s"] is not None, logs
     assert "s5" in rows["s4"]["punched_samplers"] or "s4" in rows["s5"]["punched_samplers"], (rows["s4"], rows["s5"])
     # symmetric-NAT samplers reach the other NATed ones only through relays, yet converge
     assert rows["s6"]["paths_to_samplers"].get("s7") in ("relayed", None)

@@ -7,6 +7,7 @@ and reads their status files; a timeline of every sampler's weights version is k
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -61,6 +62,7 @@ class WanSwarm:
     work: list[tuple[float, str, int]] = field(default_factory=list)  # (t, peer, rollouts accepted / flood refusals)
     events: list[tuple[float, str]] = field(default_factory=list)
     t0: float = field(default_factory=time.time)
+    env: dict[str, str] = field(default_factory=dict)  # added to every node's environment (e.g. SWARMRL_DEBUG)
 
     @property
     def config(self) -> Path:
@@ -96,7 +98,9 @@ class WanSwarm:
             argv, nice = self.node_argv(name, "trainer", self.trainer_args), 0
         else:
             argv, nice = self.node_argv(name, "sampler", self.sampler_args), 5
-        self.procs[name] = self.lab.popen(name, argv, self.root / f"{name}.log", nice=nice)
+        self.procs[name] = self.lab.popen(
+            name, argv, self.root / f"{name}.log", nice=nice, env={**os.environ, **self.env}
+        )
         self.event(f"start {name}")
 
     def start_hostile(self, name: str, mode: str, *extra: str) -> None:
