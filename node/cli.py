@@ -16,6 +16,7 @@ from node.errors import UserError
 from node.identity import load_or_create_key, peer_id_of
 from node.private import load_swarm_key, write_swarm_key
 from node.settings import Settings, add_flags, build_settings, parse_tables
+from trainer.memory import limit_malloc_arenas
 
 log = logging.getLogger("swarmrl")
 
@@ -214,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     add_demo_args(sub.add_parser("demo", help="run a local swarm on loopback (trainer + samplers)"))
     args = parser.parse_args(argv)
     setup_logging(getattr(args, "verbose", False))
+    if args.command == "node" and args.role == "trainer":
+        limit_malloc_arenas()  # before any thread allocates (trainer/memory.py)
     handlers = {
         "node": cmd_node,
         "keygen": cmd_keygen,

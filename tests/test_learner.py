@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -112,3 +114,38 @@ def test_a_version_is_written_while_the_next_step_runs_and_holds_exactly_the_nam
     with pytest.raises(ValueError, match="not the one named last"):
         ln.name_version()
         ln.write_version(version)
+
+
+ARENAS = """
+import ctypes, ctypes.util, sys, tempfile, threading
+from trainer.memory import limit_malloc_arenas
+if sys.argv[1] == "limit":
+    assert limit_malloc_arenas(2)
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+held, go = [], threading.Barrier(8)
+def work():
+    go.wait()
+    held.extend(bytearray(50_000) for _ in range(200))
+threads = [threading.Thread(target=work) for _ in range(8)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+path = tempfile.mkstemp()[1]
+libc.fopen.restype = ctypes.c_void_p
+f = ctypes.c_void_p(libc.fopen(path.encode(), b"w"))
+libc.malloc_info(0, f)
+libc.fclose(f)
+print(open(path).read().count("<heap nr="))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc arenas")
+def test_the_trainer_caps_malloc_arenas_so_threads_stop_keeping_their_own_freed_memory():
+    """Eight threads allocating at once get arenas of their own by default; with the trainer's cap they share two
+    (trainer/memory.py: each arena keeps its own high-water mark of freed tensor buffers)."""
+
+    def arenas(mode: str) -> int:
+        out = subprocess.run([sys.executable, "-c", ARENAS, mode], capture_output=True, text=True, check=True)
+        return int(out.stdout.strip())
+
+    assert arenas("default") > 2
+    assert arenas("limit") <= 2

@@ -44,6 +44,7 @@ from protocols.work import WorkRequest
 from trainer.base_model import build_base_model
 from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.learner import Learner
+from trainer.memory import limit_malloc_arenas
 from trainer.tasks import load_task
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class TrainerRole:
     name = "trainer"
 
     def __init__(self, config: NodeConfig, settings: Settings) -> None:
+        limit_malloc_arenas()  # the CLI did it before any thread started; here for trainers run in-process
         self.config = config
         self.settings = s = settings.trainer
         self.weights = settings.weights
