@@ -405,3 +405,64 @@ async def test_endgame_asks_a_second_peer_for_chunks_stuck_at_a_slow_one(tmp_pat
     assert slow_asked, "the slow peer was never asked: the test proves nothing"
     assert download.stats.endgame_requests >= 1 and download.stats.cancelled_requests >= 1
     assert store.missing(manifest) == []
+
+
+async def test_a_node_on_a_slow_downlink_does_not_blame_honest_peers_for_it(tmp_path, tiny_model_dir):
+    """Six honest peers serve a node whose own downlink (128 KiB/s, shared by every reply, first come first
+    served) is the bottleneck. Each peer sends far faster than the required rate, but six replies queue on the
+    one link: the node must pace its requests by its own download rate and allow for that queue, not time out,
+    strike and drop the peers (it did: a sampler on a slow home link dropped a peer every version)."""
+    from libp2p.crypto.ed25519 import create_new_key_pair
+
+    from node.strikes import Strikes
+    from node.weights.fetcher import Download
+    from node.weights.publish import Publisher
+    from node.weights.server import WeightServer
+    from tests.helpers import publish_model
+    from trainer.model import load_model
+
+    source = ChunkStore(tmp_path / "source")
+    publisher = Publisher(source, create_new_key_pair(), "t", chunk_size=CHUNK)
+    mid, _, manifest = publish_model(publisher, load_model(tiny_model_dir), 0, tiny_model_dir)
+    server = WeightServer(source)
+    downlink, rate = trio.Lock(), 128 << 10  # trio's lock is fair: replies cross the link in arrival order
+    peak = [0]
+
+    async def over_the_downlink(message, remote):
+        reply = await server.handle(message, remote)
+        kind, arg = w.parse_request(message)
+        if kind == "get_chunks":
+            peak[0] = max(peak[0], download.bytes_in_flight())
+            async with downlink:
+                await trio.sleep(sum(source.size(h) for h in arg) / rate)
+        return reply
+
+    async with AsyncExitStack() as stack:
+        peers = [
+            await stack.enter_async_context(open_swarm(load_or_create_key(tmp_path / f"p{i}.key"), LOOPBACK))
+            for i in range(6)
+        ]
+        me = await stack.enter_async_context(open_swarm(load_or_create_key(tmp_path / "me.key"), LOOPBACK))
+        for peer in peers:
+            peer.host.set_stream_handler(w.PROTOCOL_ID, serve("link", over_the_downlink, w.MAX_REQUEST_FRAME,
+                                                              w.MAX_REPLY_FRAME, 60))  # fmt: skip
+            await me.connect(info_from_p2p_addr(peer.addrs()[0]))
+        store = ChunkStore(tmp_path / "me")
+        store.add_manifest(*source.manifest(mid))
+        strikes = Strikes(3)
+        download = Download(
+            me.host, store, manifest, mid, None, lambda: [p.peer_id for p in peers], strikes,
+            min_rate=64 << 10, min_in_flight=256 << 10,
+        )  # fmt: skip
+        t0 = trio.current_time()
+        with trio.fail_after(60):
+            await download.run()
+        took = trio.current_time() - t0
+    ideal = sum(source.size(h) for h in manifest.all_chunks()) / rate
+    assert not download.stats.slow and not download.stats.dropped, (download.stats.slow, download.stats.dropped)
+    assert not strikes.counts
+    assert download.stats.failed_requests == 0
+    assert took < 1.6 * ideal, (took, ideal)
+    # paced: never much more in flight than a few seconds of the link (plus the one batch that starts a request)
+    assert peak[0] <= 4.0 * rate + w.MAX_CHUNKS_PER_REQUEST * CHUNK, peak[0]
+    assert store.missing(manifest) == []

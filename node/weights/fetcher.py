@@ -16,6 +16,10 @@
   its (non-origin) peer for chunks requested only once so far, a small batch at a time; when every chunk of a
   request has arrived by another route, that request is cancelled. The last chunks of a version no longer wait on
   the slowest peer that happened to be asked first.
+- Bytes in flight follow this node's own downlink: at most ``IN_FLIGHT_SECONDS`` of the rate chunks have been
+  arriving at (``min_in_flight`` before anything has), and a request's deadline allows for everything requested
+  before it. Without that, a node on a slow link asked every peer for megabytes at once, its replies queued behind
+  each other on its own downlink, and it timed out and struck honest peers for its own slowness.
 - ``wanted`` restricts the download to one route's chunks (a version's patch, or its full files); the
   have-bitfields still index every chunk of the manifest, so peers on either route understand each other.
 """
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
@@ -44,6 +48,8 @@ log = logging.getLogger(__name__)
 STALL_GRACE = 1.0  # seconds without a chunk arriving after which the origin serves chunks others only claim
 ORIGIN_DECLINE_WAIT = 1.0  # seconds before asking the origin again for a chunk it declined (super-seeding)
 ENDGAME_BYTES = 1 << 20  # a duplicate (endgame) request asks for about this much
+IN_FLIGHT_SECONDS = 4.0  # bytes in flight: this many seconds at the rate chunks have been arriving
+RATE_WINDOW = 5.0  # seconds of arrivals the rate is measured over
 
 
 @dataclass
@@ -75,6 +81,7 @@ class Download:
         request_timeout: float = 20.0,
         min_rate: float = 256 << 10,
         max_neighbours: int = 6,
+        min_in_flight: int = 4 << 20,
         wanted: Collection[bytes] | None = None,
     ) -> None:
         self.host = host
@@ -88,10 +95,13 @@ class Download:
         # Tensor-aligned chunks are often far below chunk_size, so size requests by a generous guess at a typical
         # chunk (4x the mean, at most chunk_size): on a long-RTT path each request then carries ~4 MiB. (Replies
         # were kept near 1 MiB while py-libp2p's yamux could deadlock; node/libp2p_patches.py removed that.)
-        sizes = chunk_sizes(manifest)
+        self.sizes = sizes = chunk_sizes(manifest)
         route = list(wanted) if wanted is not None else manifest.all_chunks()
         mean_chunk = max(1, sum(sizes.get(h, 0) for h in route) // max(1, len(route)))
         self.typical = min(manifest.chunk_size, 4 * mean_chunk)
+        self.min_in_flight = min_in_flight
+        self._arrivals: deque[tuple[float, int]] = deque()  # (when, bytes) of recent chunks, for the rate
+        self._started = trio.current_time()
         self.batch = max(1, min(batch, w.MAX_CHUNKS_PER_REQUEST, (4 << 20) // self.typical))
         self.have_interval = have_interval
         self.request_timeout = request_timeout
@@ -146,12 +156,41 @@ class Download:
             stalled = trio.current_time() - self._last_arrival > STALL_GRACE
             candidates = unique or (candidates if stalled or not any(self.in_flight.values()) else [])
         elif not candidates:
-            return self._endgame(peer, bits)
+            return self._fit(self._endgame(peer, bits))
         candidates.sort(key=lambda i: (self.rarity(i, exclude=peer), self._order[i]))
         # the origin's uplink is shared by every downloader: ~1 MiB at a time from it, so a reply never waits behind
         # a long queue (and times out, wasting what the link already carried)
         limit = self.batch if peer != self.origin else max(1, min(self.batch, (1 << 20) // self.typical))
-        return candidates[:limit]
+        return self._fit(candidates[:limit])
+
+    # -- pacing by this node's own downlink ------------------------------------------------------------------
+    def size_of(self, i: int) -> int:
+        return self.sizes.get(self.chunks[i], self.typical)
+
+    def rate(self) -> float:
+        """Bytes/s chunks arrived at over the last ``RATE_WINDOW`` seconds (0 before any has)."""
+        now = trio.current_time()
+        while self._arrivals and now - self._arrivals[0][0] > RATE_WINDOW:
+            self._arrivals.popleft()
+        span = max(1.0, min(RATE_WINDOW, now - self._started))
+        return sum(n for _, n in self._arrivals) / span
+
+    def budget(self) -> int:
+        """How many bytes may be requested and not yet arrived: a few seconds of this node's own download rate."""
+        return max(self.min_in_flight, int(self.rate() * IN_FLIGHT_SECONDS))
+
+    def bytes_in_flight(self) -> int:
+        return sum(self.size_of(i) for _, chunks, _ in self._requests for i in chunks)
+
+    def _fit(self, batch: list[int]) -> list[int]:
+        """The head of ``batch`` that fits in the budget (always one chunk: a request must make progress)."""
+        room, out = self.budget() - self.bytes_in_flight(), []
+        for i in batch:
+            room -= self.size_of(i)
+            if out and room < 0:
+                break
+            out.append(i)
+        return out
 
     def _endgame(self, peer: ID, bits: set[int]) -> list[int]:
         """Chunks this peer holds that are requested once, from someone else: the oldest requests first."""
@@ -161,7 +200,7 @@ class Download:
             for i in chunks:
                 if i in self.missing and i in bits and self.in_flight[i] == 1 and i not in asked_here and i not in out:
                     out.append(i)
-        return out[: max(1, ENDGAME_BYTES // self.typical)]
+        return out[: max(1, min(self.batch, ENDGAME_BYTES // self.typical))]  # a request's chunk limit holds here too
 
     def _cancel_superseded(self, mine: list[int]) -> None:
         """Cancel every other request (not the one whose batch is ``mine``) whose chunks have all arrived."""
@@ -258,6 +297,10 @@ class Download:
                 rest = self.resting.get(peer, 0.0) - trio.current_time()
                 if rest > 0:
                     await trio.sleep(rest)
+                if self._requests and self.bytes_in_flight() >= self.budget():
+                    with trio.move_on_after(self.have_interval):  # this node's downlink is full: wait for it
+                        await self._progress.wait()
+                    continue
                 batch = self.pick(peer)
                 if not batch:
                     self._starved.set()  # nothing known to ask this peer for: learn more sooner
@@ -287,7 +330,11 @@ class Download:
         hashes = [self.chunks[i] for i in batch]
         deadline = self.request_timeout
         if peer != self.origin:  # the origin is trusted and shared by everyone: only its request timeout applies
-            deadline = min(deadline, 3.0 + len(batch) * self.typical / self.min_rate)
+            # the peer must send at ``min_rate``, and this reply may queue on our own downlink behind everything
+            # requested before it (at the rate chunks have been arriving)
+            mine = sum(self.size_of(i) for i in batch)
+            queued = self.bytes_in_flight() / (self.rate() or self.min_rate)
+            deadline = min(deadline, 3.0 + max(mine / self.min_rate, queued))
         try:
             reply = await request(
                 self.host,
@@ -328,6 +375,7 @@ class Download:
                 continue
             self.missing.discard(self.index[h])
             self.failed.discard(self.index[h])
+            self._arrivals.append((trio.current_time(), len(data)))
             self._cancel_superseded(batch)
             self._last_arrival = trio.current_time()
             key = str(peer)
