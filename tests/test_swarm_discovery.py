@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import socket
+
 import trio
+from multiaddr import Multiaddr
 
 from tests.helpers import start_bootstrap, start_sampler, start_trainer, wait_until
 
@@ -20,6 +23,7 @@ async def test_samplers_find_trainer_and_each_other_via_dht(tmp_path, tiny_model
         # nobody was told the trainer's address: the only address given out was the bootstrap's
         for s in samplers:
             assert all(a != trainer.swarm.addrs()[0] for a in s.config.bootstrap)
+        assert all(s.role.trainer_found_by["dht"] >= 1 for s in samplers)
         await wait_until(lambda: all(len(s.role.samplers) == 2 for s in samplers), timeout=30)
         for s in samplers:
             others = {str(o.swarm.peer_id) for o in samplers if o is not s}
@@ -30,4 +34,30 @@ async def test_samplers_find_trainer_and_each_other_via_dht(tmp_path, tiny_model
         by_peer = trainer.role.intake.ledger.accepted_by_peer
         assert set(by_peer) == {str(s.swarm.peer_id) for s in samplers}
         assert trainer.role.intake.forged == 0
+
+        # a lost trainer is dialled again where it was last reached, and looked up in the DHT only when it is not
+        # there any more (it moved): then the new addresses are remembered
+        tid = trainer.swarm.peer_id
+        back, moved = samplers[0], samplers[1]
+        gone = Multiaddr(f"/ip4/127.0.0.1/tcp/{closed_port()}/p2p/{tid}")
+        moved.role._trainer_addrs = [gone]
+        for s in (back, moved):
+            before = dict(s.role.trainer_found_by)
+            await s.swarm.host.disconnect(tid)
+            if s is moved:
+                s.swarm.host.get_peerstore().clear_addrs(tid)  # its old addresses are dead, and forgotten
+            await s.role._find_trainer(s.swarm)
+            assert tid in s.swarm.host.get_connected_peers()
+            if s is back:
+                assert s.role.trainer_found_by["last_addresses"] > before["last_addresses"]
+            else:
+                assert s.role.trainer_found_by["dht"] > before["dht"]
+                assert s.role._trainer_addrs and gone not in s.role._trainer_addrs
         nursery.cancel_scope.cancel()
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -11,6 +11,8 @@ from typing import Any
 
 import trio
 from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+from multiaddr import Multiaddr
 
 from node.config import NodeConfig
 from node.discovery import find_role, provide_forever, role_key
@@ -29,6 +31,8 @@ from protocols.rollouts import RolloutAck, RolloutGroup, Sample
 from protocols.work import SamplerReport, TaskSpec, WorkLease, WorkRequest
 
 log = logging.getLogger(__name__)
+
+REDIAL_TIMEOUT = 5.0  # seconds to try the trainer's last known addresses before asking the DHT
 
 
 class VersionWatch:
@@ -77,6 +81,9 @@ class SamplerRole:
         self.store = ChunkStore(config.data_dir / "store")
         self.weight_server = WeightServer(self.store, upload_per_peer=settings.weights.upload_per_peer)
         self.trainer_found = trio.Event()
+        self._trainer_lost = trio.Event()  # set by the work loop: the discovery loop wakes to look at once
+        self._trainer_addrs: list[Multiaddr] = []  # where the DHT last led us to the trainer (the peerstore forgets)
+        self.trainer_found_by = {"last_addresses": 0, "dht": 0}  # how each (re)connection to the trainer came about
         self.samplers: set[str] = set()  # every sampler the DHT listed that we have been connected to
         self._redial_at: dict[str, tuple[float, int]] = {}  # sampler -> (not before, failures): dial backoff
         self.groups_sent = 0
@@ -130,11 +137,17 @@ class SamplerRole:
     # -- discovery -----------------------------------------------------------------------------------
     async def _discover_loop(self, swarm: Swarm) -> None:
         while True:
+            self._trainer_lost = trio.Event()
             if not self.trainer_found.is_set() or not self._trainer_connected(swarm):
                 await self._find_trainer(swarm)
             await self._connect_samplers(swarm)
             interval = self.config.discover_interval
-            await trio.sleep(interval if not self.trainer_found.is_set() else 4 * interval)
+            with trio.move_on_after(interval if not self.trainer_found.is_set() else 4 * interval):
+                await self._trainer_lost.wait()
+
+    def _lost_trainer(self) -> None:
+        self.trainer_found = trio.Event()
+        self._trainer_lost.set()
 
     async def _connect_samplers(self, swarm: Swarm) -> None:
         """Connect to every sampler the DHT lists and we are not connected to: new ones, and known ones whose
@@ -165,6 +178,8 @@ class SamplerRole:
         return self.trainer_id in swarm.host.get_connected_peers()
 
     async def _find_trainer(self, swarm: Swarm) -> None:
+        if await self._redial_trainer(swarm):
+            return
         found = await find_role(swarm, role_key(self.swarm_name, "trainer"))
         log.debug("trainer providers: %s", [str(i.peer_id) for i in found])
         for info in found:
@@ -178,7 +193,25 @@ class SamplerRole:
                 continue
             if not self.trainer_found.is_set():
                 log.info("found trainer %s through the DHT", info.peer_id)
+            self.trainer_found_by["dht"] += 1
+            self._trainer_addrs = list(info.addrs)
             self.trainer_found.set()
+
+    async def _redial_trainer(self, swarm: Swarm) -> bool:
+        """Dial the trainer where we last reached it. A restarted trainer or a healed link is back at once; the
+        DHT lookup, needed only when the trainer moved, can take its whole timeout while routes are still stale."""
+        if not self._trainer_addrs:
+            return False
+        try:
+            await swarm.connect(PeerInfo(self.trainer_id, self._trainer_addrs), timeout=REDIAL_TIMEOUT)
+        except Exception as exc:
+            log.debug("trainer not back at its last addresses: %s", exc)
+            return False
+        if not self.trainer_found.is_set():
+            log.info("reconnected to trainer %s at its last addresses", self.trainer_id)
+        self.trainer_found_by["last_addresses"] += 1
+        self.trainer_found.set()
+        return True
 
     # -- work ----------------------------------------------------------------------------------------
     async def _work_loop(self, swarm: Swarm) -> None:
@@ -208,7 +241,7 @@ class SamplerRole:
             except (ProtocolError, trio.TooSlowError, Exception) as exc:
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 log.info("work request failed (%s); looking for the trainer again", self.last_error)
-                self.trainer_found = trio.Event()  # the trainer may have restarted elsewhere: rediscover it
+                self._lost_trainer()  # it may have restarted, or moved: find it again
                 await trio.sleep(backoff := min(backoff * 2, 10.0))
                 continue
             backoff = 0.5
@@ -322,5 +355,7 @@ class SamplerRole:
             "rollouts_rejected": self.rollouts_rejected,
             "rate_limited": self.rate_limited,
             "stale_waits": self.stale_waits,
+            "last_error": self.last_error,
+            "trainer_found_by": dict(self.trainer_found_by),
             **(self.weights.status() if hasattr(self, "weights") else {}),
         }
