@@ -67,7 +67,9 @@ async def deliver(root: Path, trainer_store: ChunkStore, n: int, swarming: bool,
         trainer = await stack.enter_async_context(open_swarm(create_new_key_pair(), LOOPBACK))
         server = WeightServer(trainer_store, origin=swarming)
         handler = Uplink(mbps).wrap(server.handle) if mbps else server.handle
-        trainer.host.set_stream_handler(w.PROTOCOL_ID, serve("w", handler, 1 << 16, w.MAX_REPLY_FRAME, 30))
+        trainer.host.set_stream_handler(
+            w.PROTOCOL_ID, serve("w", handler, 1 << 16, w.MAX_REPLY_FRAME, 30, reply_sent=server.reply_sent)
+        )
         nodes = []
         for i in range(n):
             sw = await stack.enter_async_context(open_swarm(create_new_key_pair(), LOOPBACK))

@@ -42,6 +42,8 @@ OFFLOAD_BYTES = 64 << 10  # decode bodies larger than this off the event loop
 IDLE_TIMEOUT = 30.0  # a served stream with no new request for this long is closed
 
 Handler = Callable[[dict[str, Any], ID], Awaitable[dict[str, Any]]]
+# told after each reply whether it was written out whole (True) or not (False: the stream failed or timed out)
+ReplySent = Callable[[dict[str, Any], bool], None]
 
 
 class Busy(ProtocolError):
@@ -113,8 +115,11 @@ def serve(
     streams_per_peer: int = 8,
     min_rate: float = 64 << 10,
     budget: FrameBudget = BUDGET,
+    reply_sent: ReplySent | None = None,
 ):
     """Wrap ``handler(message, remote_peer) -> reply`` as a py-libp2p stream handler (see the module docstring).
+    ``reply_sent(reply, ok)`` follows every reply the handler returned, once its write ended (a server that must
+    know when bytes left, not when it decided to send them: writes wait for the link).
 
     A stream may carry one request after another (the client keeps it for the next one: opening a stream costs a
     multistream negotiation, more CPU than a small request itself); it is closed after ``IDLE_TIMEOUT`` seconds
@@ -153,7 +158,13 @@ def serve(
                         except ProtocolError as exc:
                             await _refuse(stream, name, remote, exc, max_reply)
                             return
-                        await write_message(stream, reply, max_reply)
+                        sent = False
+                        try:
+                            await write_message(stream, reply, max_reply)
+                            sent = True
+                        finally:
+                            if reply_sent is not None:
+                                reply_sent(reply, sent)
         except Busy as exc:  # too many streams from this peer already: say so, then close
             await _refuse(stream, name, remote, exc, max_reply)
         except trio.TooSlowError:

@@ -466,3 +466,72 @@ async def test_a_node_on_a_slow_downlink_does_not_blame_honest_peers_for_it(tmp_
     # paced: never much more in flight than a few seconds of the link (plus the one batch that starts a request)
     assert peak[0] <= 4.0 * rate + w.MAX_CHUNKS_PER_REQUEST * CHUNK, peak[0]
     assert store.missing(manifest) == []
+
+
+async def test_the_origin_counts_a_copy_as_sent_once_it_has_gone_out(tmp_path, tiny_model_dir):
+    """On a slow uplink a reply queues for seconds. The origin's re-serve clock (``reserve_after``) starts when a
+    copy has been written out, not when it was decided: a chunk still on its way to one peer is not sent to a
+    second (before: it was, 3 s after the first request, and a 16-sampler broadcast cost the trainer 1.9 versions
+    of upload). A copy whose write failed is uncounted: the chunk may go out again at once."""
+    from libp2p.crypto.ed25519 import create_new_key_pair
+
+    from node.weights.publish import Publisher
+    from node.weights.server import WeightServer
+    from tests.helpers import publish_model
+    from trainer.model import load_model
+
+    source = ChunkStore(tmp_path / "source")
+    publisher = Publisher(source, create_new_key_pair(), "t", chunk_size=256 << 10)
+    mid, _, manifest = publish_model(publisher, load_model(tiny_model_dir), 0, tiny_model_dir)
+    chunks = manifest.all_chunks()
+    assert len(chunks) > 8, "every chunk would be sent once by the first request: the floor would allow copies"
+    reserve_after = 0.5
+    server = WeightServer(source, origin=True, reserve_after=reserve_after, upload_per_peer=1e12)
+    asked = chunks[:4]
+    link_free = trio.Event()
+
+    async def slow_uplink(message, remote):
+        """The reply to the slow peer queues behind a busy uplink until the test frees it."""
+        reply = await server.handle(message, remote)
+        if remote == slow.peer_id:
+            await link_free.wait()
+        return reply
+
+    async with AsyncExitStack() as stack:
+        origin, slow, other = [
+            await stack.enter_async_context(open_swarm(load_or_create_key(tmp_path / f"{n}.key"), LOOPBACK))
+            for n in ("origin", "slow", "other")
+        ]
+        origin.host.set_stream_handler(
+            w.PROTOCOL_ID,
+            serve("w", slow_uplink, w.MAX_REQUEST_FRAME, w.MAX_REPLY_FRAME, 60, reply_sent=server.reply_sent),
+        )
+        for node in (slow, other):
+            await node.connect(info_from_p2p_addr(origin.addrs()[0]))
+
+        async def served_to(node) -> list[bytes]:
+            reply = await request(
+                node.host, origin.peer_id, w.PROTOCOL_ID, w.get_chunks(asked, mid),
+                max_request=w.MAX_REQUEST_FRAME, max_reply=w.MAX_REPLY_FRAME,
+            )  # fmt: skip
+            return [h for h, _ in reply["found"]]
+
+        async with trio.open_nursery() as nursery:
+            slow_got: list[bytes] = []
+            nursery.start_soon(lambda: _append(slow_got, served_to(slow)))
+            await trio.sleep(3 * reserve_after)  # the copy to the slow peer has been on its way out for a while
+            assert server._in_flight and not slow_got
+            assert await served_to(other) == [], "a copy still on its way out was sent again"
+            link_free.set()
+        assert slow_got == asked
+        assert not server._in_flight
+        assert await served_to(other) == [], "sent again before reserve_after passed since it went out"
+        await trio.sleep(reserve_after + 0.1)
+        assert await served_to(other) == asked  # the first copy may have been lost with its peer
+
+        server.reply_sent({"found": [(asked[0], b"")]}, ok=False)  # a write that failed: that copy never left
+        assert server._served[asked[0]] == 1
+
+
+async def _append(into: list, items) -> None:
+    into.extend(await items)
