@@ -151,6 +151,17 @@ def run_size(root: Path, mparams: int, steps: int, dtype: str, publish_dtype: st
         "publish_bytes": published[-1]["publish_bytes"] if published else steps_done[-1]["publish_bytes"],
         "tokens": mean("tokens"),
         "swap_s": s_status.get("last_swap_seconds", float("nan")),
+        # the high-water mark as the run went: after which step or publish it rose (MB)
+        "rss_trace": [
+            (
+                ("step" if "time_learn" in r else "publish" if "published" in r else "other"),
+                r["version"],
+                r["peak_rss_mb"],
+            )
+            for r in records
+            if "peak_rss_mb" in r
+        ]
+        + [("end", t_status.get("version"), t_status["peak_rss_mb"])],
     }
 
 

@@ -16,7 +16,7 @@ from node.errors import UserError
 from node.identity import load_or_create_key, peer_id_of
 from node.private import load_swarm_key, write_swarm_key
 from node.settings import Settings, add_flags, build_settings, parse_tables
-from trainer.memory import limit_malloc_arenas
+from trainer.memory import apply_trainer_malloc_policy
 
 log = logging.getLogger("swarmrl")
 
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup_logging(getattr(args, "verbose", False))
     if args.command == "node" and args.role == "trainer":
-        limit_malloc_arenas()  # before any thread allocates (trainer/memory.py)
+        apply_trainer_malloc_policy()  # before any thread allocates (trainer/memory.py)
     handlers = {
         "node": cmd_node,
         "keygen": cmd_keygen,
