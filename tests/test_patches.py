@@ -554,3 +554,34 @@ def test_a_dense_diff_is_given_up_after_a_tenth_of_the_weights(tmp_path):
         build_patch(tmp_path / "old.safetensors", tmp_path / "new.safetensors", budget=full // 3)
     # a budget the patch fits is not refused by the projection
     assert build_patch(tmp_path / "old.safetensors", tmp_path / "new.safetensors", budget=2 * full) is not None
+
+
+def test_encoders_held_to_blocks_write_the_same_bytes_as_one_pass():
+    """The trainer encodes a tensor's changes a block of values at a time (its temporaries sit beside training):
+    the bytes must be those of one pass, and decode back; the bitmap index mode likewise."""
+    from node.weights.patch import (
+        INDEX_BITMAP,
+        LEB128_BLOCK,
+        _leb128_block,
+        decode_indices,
+        encode_indices,
+        encode_values,
+        leb128_decode,
+        leb128_encode,
+        unzigzag,
+        zigzag,
+    )
+
+    rng = np.random.default_rng(0)
+    n = 2 * LEB128_BLOCK + 12345
+    v = rng.integers(0, 1 << 40, n, dtype=np.uint64) >> rng.integers(0, 40, n).astype(np.uint64)
+    assert leb128_encode(v) == _leb128_block(v)
+    assert np.array_equal(leb128_decode(leb128_encode(v), n), v)
+    d = rng.integers(-(1 << 31), 1 << 31, n, dtype=np.int64)
+    assert encode_values(d) == _leb128_block(zigzag(d))
+    assert np.array_equal(unzigzag(leb128_decode(encode_values(d), n)), d)
+    numel = 8 * n + 5
+    idx = np.sort(rng.choice(numel, size=numel // 2, replace=False))
+    mode, raw = encode_indices(idx, numel)
+    assert mode == INDEX_BITMAP and len(raw) == (numel + 7) // 8
+    assert np.array_equal(decode_indices(mode, raw, idx.size, numel), idx)
