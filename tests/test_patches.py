@@ -585,3 +585,19 @@ def test_encoders_held_to_blocks_write_the_same_bytes_as_one_pass():
     mode, raw = encode_indices(idx, numel)
     assert mode == INDEX_BITMAP and len(raw) == (numel + 7) // 8
     assert np.array_equal(decode_indices(mode, raw, idx.size, numel), idx)
+
+
+def test_a_built_patch_is_cut_into_chunks_without_joining_its_parts():
+    """Publishing cuts the patch blob into chunk ranges straight from its parts: each piece equals that slice of
+    the joined blob, across part boundaries, parts shorter than a chunk and empty parts."""
+    from node.weights.manifest import cut_ranges
+    from node.weights.patch import BuiltPatch
+
+    rng = np.random.default_rng(1)
+    parts = [rng.bytes(int(n)) for n in (5, 0, 3000, 1, 70000, 17, 0, 4096)]
+    built = BuiltPatch(parts, [], b"", 0, [], 0, 0)
+    blob = b"".join(parts)
+    assert built.size == len(blob) and built.blob == blob
+    for chunk in (1, 7, 4096, 100_000):
+        ranges = cut_ranges(built.size, [], chunk)
+        assert list(built.pieces(ranges)) == [blob[a:b] for a, b in ranges]

@@ -21,6 +21,7 @@ import lzma
 import shutil
 import struct
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,7 +40,7 @@ from protocols.weights import (
     TensorEntry,
 )
 
-BLOCK = 1 << 22  # elements compared at a time: a dense block costs ~16 bytes each in transient arrays
+BLOCK = 1 << 20  # elements compared at a time: a dense block costs ~16 bytes each in transient arrays
 UINTS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 INTS = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 ZLIB_LEVEL = 6
@@ -83,7 +84,7 @@ class WeightChanges:
 
 @dataclass
 class BuiltPatch:
-    blob: bytes
+    parts: list[bytes]  # the patch blob in pieces (joined, a patch near its budget would be held twice)
     deltas: list[TensorDelta]
     header_hash: bytes
     weights_size: int
@@ -93,7 +94,25 @@ class BuiltPatch:
 
     @property
     def size(self) -> int:
-        return len(self.blob)
+        return sum(len(p) for p in self.parts)
+
+    @property
+    def blob(self) -> bytes:
+        return b"".join(self.parts)
+
+    def pieces(self, ranges: list[tuple[int, int]]) -> Iterator[bytes]:
+        """The blob's bytes in each of ``ranges`` (ascending, non-overlapping), without joining the whole blob."""
+        part, start = 0, 0  # the part holding the position reached, and that part's offset in the blob
+        for a, b in ranges:
+            out = []
+            while a < b:
+                while start + len(self.parts[part]) <= a:
+                    start += len(self.parts[part])
+                    part += 1
+                end = min(b, start + len(self.parts[part]))
+                out.append(memoryview(self.parts[part])[a - start : end - start])
+                a = end
+            yield b"".join(out)
 
 
 # -- safetensors layout ---------------------------------------------------------------------------------------
@@ -278,17 +297,21 @@ def decompress(codec: str, data: bytes, limit: int) -> bytes:
 # -- one tensor -----------------------------------------------------------------------------------------------------
 def diff_tensor(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(changed positions int64, new - old as signed integers of the element width) of two unsigned views."""
-    idx_parts, d_parts = [], []
     signed = INTS[old.dtype.itemsize]
-    for a in range(0, old.size, BLOCK):
-        o, n = old[a : a + BLOCK], new[a : a + BLOCK]
-        hit = np.flatnonzero(o != n)
-        if hit.size:
-            idx_parts.append(hit + a)
-            d_parts.append((n[hit] - o[hit]).view(signed))  # wraps modulo 2^width: exact in both directions
-    if not idx_parts:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    return np.concatenate(idx_parts).astype(np.int64, copy=False), np.concatenate(d_parts).astype(np.int64)
+    starts = range(0, old.size, BLOCK)
+    # counted first, so the results are filled in place (lists of parts joined at the end held them twice)
+    counts = [int(np.count_nonzero(old[a : a + BLOCK] != new[a : a + BLOCK])) for a in starts]
+    idx = np.empty(sum(counts), dtype=np.int64)
+    d = np.empty(sum(counts), dtype=np.int64)
+    pos = 0
+    for a, count in zip(starts, counts, strict=True):
+        if count:
+            o, n = old[a : a + BLOCK], new[a : a + BLOCK]
+            hit = np.flatnonzero(o != n)
+            idx[pos : pos + count] = hit + a
+            d[pos : pos + count] = (n[hit] - o[hit]).view(signed)  # wraps modulo 2^width: exact both ways
+            pos += count
+    return idx, d
 
 
 def encode_indices(idx: np.ndarray, numel: int) -> tuple[int, bytes]:
@@ -401,7 +424,7 @@ def build_patch(old_path: Path, new_path: Path, codec: str = "zlib", budget: int
     finally:
         old_f.close()
         new_f.close()
-    return BuiltPatch(b"".join(parts), deltas, header_hash, new_size, hashes, changed, elements)
+    return BuiltPatch(parts, deltas, header_hash, new_size, hashes, changed, elements)
 
 
 def apply_patch(parent_path: Path, out_path: Path, manifest: Manifest, blob: bytes) -> WeightChanges:

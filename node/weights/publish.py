@@ -151,8 +151,8 @@ class Publisher:
         patch = None
         if built is not None:
             chunks = []
-            for a, b in cut_ranges(built.size, [], self.chunk_size):
-                piece = built.blob[a:b]
+            ranges = cut_ranges(built.size, [], self.chunk_size)
+            for piece in built.pieces(ranges):
                 h = chunk_hash(piece)
                 self.store.put_hashed(h, piece)
                 chunks.append(h)
