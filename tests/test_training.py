@@ -38,11 +38,15 @@ async def test_short_swarm_run_beats_the_untrained_model(tmp_path, tiny_model_di
             eval_size=64,
             linger=0.0,
         )
-        # publishing (a version per step) is made slower than a step: training must not wait for it
+        # publishing is made slower than training, whatever a step costs on this box (a fixed delay was not,
+        # under a loaded suite): each publish waits for two more steps. Training must not wait for it.
         publish = trainer.role.publisher.publish
 
         def slow_publish(*args):
-            time.sleep(0.5)
+            learner, deadline = trainer.role.learner, time.monotonic() + 2.0
+            steps = learner.steps
+            while learner.steps < steps + 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
             return publish(*args)
 
         trainer.role.publisher.publish = slow_publish
