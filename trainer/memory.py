@@ -53,5 +53,7 @@ def map_large_blocks(threshold: int = TRAINER_MMAP_THRESHOLD) -> bool:
 
 
 def apply_trainer_malloc_policy() -> bool:
-    """Both settings above; True when glibc took both."""
-    return limit_malloc_arenas() and map_large_blocks()
+    """Both settings above (each tried even if the other was refused); True when glibc took both."""
+    arenas = limit_malloc_arenas()
+    mapped = map_large_blocks()
+    return arenas and mapped

@@ -48,7 +48,7 @@ class WeightServer:
 
     def _forget_gone_chunks(self) -> None:
         """Serving counters only for chunks still held: this state must not grow with every version ever served."""
-        for table in (self._served, self._last_served):
+        for table in (self._served, self._last_served, self._in_flight):
             for h in [h for h in table if not self.store.has(h)]:
                 del table[h]
 
@@ -81,15 +81,18 @@ class WeightServer:
         """A reply's write ended: its chunks' re-serve clocks start now; a copy that never went out is uncounted."""
         now = time.monotonic()
         for h, _ in reply.get("found", ()):
-            left = self._in_flight.get(h, 0) - 1
-            if left > 0:
-                self._in_flight[h] = left
-            else:
-                self._in_flight.pop(h, None)
-            if ok:
-                self._last_served[h] = now
-            elif self._served.get(h):
-                self._served[h] -= 1
+            self._copy_ended(h, ok, now)
+
+    def _copy_ended(self, h: bytes, went_out: bool, now: float) -> None:
+        left = self._in_flight.get(h, 0) - 1
+        if left > 0:
+            self._in_flight[h] = left
+        else:
+            self._in_flight.pop(h, None)
+        if went_out:
+            self._last_served[h] = now
+        elif self._served.get(h):
+            self._served[h] -= 1
 
     def register(self, host: IHost) -> None:
         host.set_stream_handler(
@@ -137,7 +140,7 @@ class WeightServer:
                 self._in_flight[h] = self._in_flight.get(h, 0) + 1
                 data = await trio.to_thread.run_sync(self.store.read, h)
                 if data is None:
-                    self.reply_sent({"found": [(h, b"")]}, ok=False)
+                    self._copy_ended(h, False, time.monotonic())
                     missing.append(h)
                 else:
                     found.append((h, data))
