@@ -25,7 +25,6 @@ from node.weights.patch import (
     TensorMismatch,
     build_patch,
     decode_indices,
-    encode_indices,
     leb128_decode,
     leb128_encode,
     unzigzag,
@@ -107,16 +106,10 @@ def test_varints_zigzag_and_index_modes_round_trip():
     d = np.array([-(1 << 63), -32768, -1, 0, 1, 32767, (1 << 63) - 1], dtype=np.int64)
     assert np.array_equal(unzigzag(zigzag(d)), d)
     assert list(zigzag(np.array([0, -1, 1, -2]))) == [0, 1, 2, 3]
-    numel = 10_000
-    for density in (0.001, 0.05, 0.6):
-        idx = np.flatnonzero(rng.random(numel) < density)
-        mode, raw = encode_indices(idx, numel)
-        assert mode == (INDEX_BITMAP if density > 0.5 else INDEX_GAPS)
-        assert np.array_equal(decode_indices(mode, raw, len(idx), numel), idx)
     with pytest.raises(PatchError):
         leb128_decode(b"\x80\x80", 1)  # truncated
     with pytest.raises(PatchError):
-        decode_indices(INDEX_GAPS, leb128_encode(np.array([numel], dtype=np.uint64)), 1, numel)  # out of range
+        decode_indices(INDEX_GAPS, leb128_encode(np.array([100], dtype=np.uint64)), 1, 100)  # out of range
 
 
 def test_every_element_width_patches_exactly(tmp_path):
@@ -556,48 +549,109 @@ def test_a_dense_diff_is_given_up_after_a_tenth_of_the_weights(tmp_path):
     assert build_patch(tmp_path / "old.safetensors", tmp_path / "new.safetensors", budget=2 * full) is not None
 
 
-def test_encoders_held_to_blocks_write_the_same_bytes_as_one_pass():
-    """The trainer encodes a tensor's changes a block of values at a time (its temporaries sit beside training):
-    the bytes must be those of one pass, and decode back; the bitmap index mode likewise."""
-    from node.weights.patch import (
-        INDEX_BITMAP,
-        LEB128_BLOCK,
-        _leb128_block,
-        decode_indices,
-        encode_indices,
-        encode_values,
-        leb128_decode,
-        leb128_encode,
-        unzigzag,
-        zigzag,
+def patch_round_trip(tmp_path: Path, old: dict, new: dict, **kw):
+    """Build the patch old -> new (safetensors files), apply it to old, check the rebuilt file is new's bytes."""
+    from dataclasses import replace
+
+    from safetensors.numpy import save_file
+
+    from node.weights.patch import apply_patch, read_layout
+
+    save_file(old, str(tmp_path / "old.safetensors"))
+    save_file(new, str(tmp_path / "new.safetensors"))
+    built = build_patch(tmp_path / "old.safetensors", tmp_path / "new.safetensors", **kw)
+    assert built is not None
+    _, layout = read_layout(tmp_path / "new.safetensors")
+    tensors = [replace(t, hash=h) for t, h in zip(layout, built.hashes, strict=True)]
+    patch = w.PatchInfo(
+        b"\0" * 32, 0, "zlib", built.size, [b"\1" * 32], built.weights_size, built.header_hash, built.deltas
     )
+    m = w.Manifest("t", 1, 0, "native", 1 << 20, [], tensors, patch)
+    (tmp_path / "out.safetensors").unlink(missing_ok=True)
+    apply_patch(tmp_path / "old.safetensors", tmp_path / "out.safetensors", m, built.blob)
+    assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "new.safetensors").read_bytes()
+    return built
 
+
+def test_the_index_stream_is_gaps_or_a_bitmap_whichever_is_shorter(tmp_path):
     rng = np.random.default_rng(0)
-    n = 2 * LEB128_BLOCK + 12345
-    v = rng.integers(0, 1 << 40, n, dtype=np.uint64) >> rng.integers(0, 40, n).astype(np.uint64)
-    assert leb128_encode(v) == _leb128_block(v)
-    assert np.array_equal(leb128_decode(leb128_encode(v), n), v)
-    d = rng.integers(-(1 << 31), 1 << 31, n, dtype=np.int64)
-    assert encode_values(d) == _leb128_block(zigzag(d))
-    assert np.array_equal(unzigzag(leb128_decode(encode_values(d), n)), d)
-    numel = 8 * n + 5
-    idx = np.sort(rng.choice(numel, size=numel // 2, replace=False))
-    mode, raw = encode_indices(idx, numel)
-    assert mode == INDEX_BITMAP and len(raw) == (numel + 7) // 8
-    assert np.array_equal(decode_indices(mode, raw, idx.size, numel), idx)
+    numel = 10_003  # not a whole number of bitmap bytes
+    old = {f"t{i}": rng.standard_normal(numel).astype(np.float32) for i in range(3)}
+    new = {k: v.copy() for k, v in old.items()}
+    densities = (0.001, 0.05, 0.6)
+    for v, density in zip(new.values(), densities, strict=True):
+        v[rng.random(numel) < density] += 1.0
+    built = patch_round_trip(tmp_path, old, new)
+    assert [d.index_mode for d in built.deltas] == [INDEX_GAPS, INDEX_GAPS, INDEX_BITMAP]
+    for d, (name, v) in zip(built.deltas, new.items(), strict=True):
+        assert d.changed == int(np.count_nonzero(v != old[name]))
 
 
-def test_a_built_patch_is_cut_into_chunks_without_joining_its_parts():
-    """Publishing cuts the patch blob into chunk ranges straight from its parts: each piece equals that slice of
-    the joined blob, across part boundaries, parts shorter than a chunk and empty parts."""
+def test_a_patch_is_built_a_block_at_a_time_with_the_same_result(tmp_path, monkeypatch):
+    """The trainer diffs each tensor a block of elements at a time (it runs beside training): gaps run across block
+    boundaries, each block's bitmap bytes join into the tensor's, and the patch decodes to the same changes as one
+    built with blocks larger than any tensor."""
+    from node.weights import patch as patch_mod
+
+    rng = np.random.default_rng(3)
+    old = {
+        "dense": rng.standard_normal(1003).astype(np.float32),
+        "sparse": rng.standard_normal(5000).astype(np.float16),
+    }
+    new = {k: v.copy() for k, v in old.items()}
+    new["dense"][rng.random(1003) < 0.7] *= 2
+    hits = [0, 63, 64, 65, 127, 128, 2000, 4999]  # block edges (BLOCK = 64 below), the first and last elements
+    new["sparse"][hits] += np.float16(1)
+    one_block = patch_round_trip(tmp_path, old, new)
+    monkeypatch.setattr(patch_mod, "BLOCK", 64)
+    blocks = patch_round_trip(tmp_path, old, new)
+    assert [d.index_mode for d in blocks.deltas] == [INDEX_BITMAP, INDEX_GAPS]
+    assert blocks.deltas == one_block.deltas and blocks.blob == one_block.blob and blocks.hashes == one_block.hashes
+    monkeypatch.setattr(patch_mod, "BLOCK", 60)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        build_patch(tmp_path / "old.safetensors", tmp_path / "new.safetensors")
+
+
+def test_building_a_patch_holds_a_few_blocks_in_memory_not_the_patch(tmp_path, monkeypatch):
+    """A dense patch of a 16 MB tensor: the builder's heap stays a few blocks' worth (the patch itself waits in a
+    temporary file); the old builder held the whole tensor's positions and values, ~8x the patch."""
+    import tracemalloc
+
+    from safetensors.numpy import save_file
+
+    from node.weights import patch as patch_mod
+
+    monkeypatch.setattr(patch_mod, "BLOCK", 1 << 16)
+    rng = np.random.default_rng(0)
+    old = rng.standard_normal(4_000_000).astype(np.float32)
+    new = old + rng.standard_normal(old.size).astype(np.float32) * 1e-3
+    save_file({"w": old}, str(tmp_path / "old.safetensors"))
+    save_file({"w": new}, str(tmp_path / "new.safetensors"))
+    del old, new
+    tracemalloc.start()
+    try:
+        built = build_patch(tmp_path / "old.safetensors", tmp_path / "new.safetensors")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert built is not None and built.changed > 3_900_000 and built.size > 8_000_000
+    assert peak < 8_000_000, f"building held {peak / 1e6:.1f} MB for a {built.size / 1e6:.1f} MB patch"
+    # over budget within one tensor's stream: stopped there, not after compressing the whole tensor
+    with pytest.raises(patch_mod.OverBudget, match="within a stream"):
+        build_patch(tmp_path / "old.safetensors", tmp_path / "new.safetensors", budget=1 << 20)
+
+
+def test_a_built_patch_is_cut_into_chunks_from_its_file():
+    """Publishing cuts the patch blob into chunk ranges read from its temporary file: each piece is that slice."""
     from node.weights.manifest import cut_ranges
     from node.weights.patch import BuiltPatch
 
     rng = np.random.default_rng(1)
-    parts = [rng.bytes(int(n)) for n in (5, 0, 3000, 1, 70000, 17, 0, 4096)]
-    built = BuiltPatch(parts, [], b"", 0, [], 0, 0)
-    blob = b"".join(parts)
-    assert built.size == len(blob) and built.blob == blob
+    import io
+
+    blob = rng.bytes(100_000)
+    built = BuiltPatch(io.BytesIO(blob), len(blob), [], b"", 0, [], 0, 0)
+    assert built.blob == blob
     for chunk in (1, 7, 4096, 100_000):
         ranges = cut_ranges(built.size, [], chunk)
         assert list(built.pieces(ranges)) == [blob[a:b] for a, b in ranges]

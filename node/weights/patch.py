@@ -10,7 +10,7 @@ specified in protocols/weights.py; in short, per changed tensor:
   or two units in the last place, so most values are one byte with a handful of distinct values;
 - each stream compressed on its own (zlib by default, lzma optional), so the compressor sees like with like.
 
-``build_patch`` runs on the trainer (parent file vs new file, both memory-mapped, tensor by tensor in blocks);
+``build_patch`` runs on the trainer (parent file vs new file, read a block at a time, the patch spooled to disk);
 ``apply_patch`` on a sampler: copy the parent's file, write the changed elements in place, then check the header
 and EVERY tensor against the manifest's blake3 hashes before anything uses the result.
 """
@@ -20,10 +20,12 @@ from __future__ import annotations
 import lzma
 import shutil
 import struct
+import tempfile
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import blake3
 import numpy as np
@@ -40,7 +42,8 @@ from protocols.weights import (
     TensorEntry,
 )
 
-BLOCK = 1 << 20  # elements compared at a time: a dense block costs ~16 bytes each in transient arrays
+BLOCK = 1 << 16  # elements diffed at a time (a multiple of 8): a dense block costs ~90 bytes each in temporaries
+COMPRESS_PIECE = 1 << 20  # raw bytes fed to a compressor at a time
 UINTS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 INTS = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 ZLIB_LEVEL = 6
@@ -84,7 +87,10 @@ class WeightChanges:
 
 @dataclass
 class BuiltPatch:
-    parts: list[bytes]  # the patch blob in pieces (joined, a patch near its budget would be held twice)
+    """A patch built by ``build_patch``: its blob lives in an unnamed temporary file (``close`` drops it)."""
+
+    spool: BinaryIO  # the patch blob: indices and values of every changed tensor, in layout order
+    size: int
     deltas: list[TensorDelta]
     header_hash: bytes
     weights_size: int
@@ -93,26 +99,21 @@ class BuiltPatch:
     elements: int  # elements in all
 
     @property
-    def size(self) -> int:
-        return sum(len(p) for p in self.parts)
-
-    @property
     def blob(self) -> bytes:
-        return b"".join(self.parts)
+        self.spool.seek(0)
+        return self.spool.read(self.size)
 
     def pieces(self, ranges: list[tuple[int, int]]) -> Iterator[bytes]:
-        """The blob's bytes in each of ``ranges`` (ascending, non-overlapping), without joining the whole blob."""
-        part, start = 0, 0  # the part holding the position reached, and that part's offset in the blob
+        """The blob's bytes in each of ``ranges``, read one range at a time."""
         for a, b in ranges:
-            out = []
-            while a < b:
-                while start + len(self.parts[part]) <= a:
-                    start += len(self.parts[part])
-                    part += 1
-                end = min(b, start + len(self.parts[part]))
-                out.append(memoryview(self.parts[part])[a - start : end - start])
-                a = end
-            yield b"".join(out)
+            self.spool.seek(a)
+            piece = self.spool.read(b - a)
+            if len(piece) != b - a:
+                raise PatchError("the patch's spool file is shorter than the patch")
+            yield piece
+
+    def close(self) -> None:
+        self.spool.close()
 
 
 # -- safetensors layout ---------------------------------------------------------------------------------------
@@ -295,36 +296,6 @@ def decompress(codec: str, data: bytes, limit: int) -> bytes:
 
 
 # -- one tensor -----------------------------------------------------------------------------------------------------
-def diff_tensor(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(changed positions int64, new - old as signed integers of the element width) of two unsigned views."""
-    signed = INTS[old.dtype.itemsize]
-    starts = range(0, old.size, BLOCK)
-    # counted first, so the results are filled in place (lists of parts joined at the end held them twice)
-    counts = [int(np.count_nonzero(old[a : a + BLOCK] != new[a : a + BLOCK])) for a in starts]
-    idx = np.empty(sum(counts), dtype=np.int64)
-    d = np.empty(sum(counts), dtype=np.int64)
-    pos = 0
-    for a, count in zip(starts, counts, strict=True):
-        if count:
-            o, n = old[a : a + BLOCK], new[a : a + BLOCK]
-            hit = np.flatnonzero(o != n)
-            idx[pos : pos + count] = hit + a
-            d[pos : pos + count] = (n[hit] - o[hit]).view(signed)  # wraps modulo 2^width: exact both ways
-            pos += count
-    return idx, d
-
-
-def encode_indices(idx: np.ndarray, numel: int) -> tuple[int, bytes]:
-    gaps = np.diff(idx, prepend=-1) - 1
-    varints = leb128_encode(gaps.astype(np.uint64))
-    bitmap_len = (numel + 7) // 8
-    if len(varints) <= bitmap_len:
-        return INDEX_GAPS, varints
-    mask = np.zeros(numel, dtype=bool)  # a byte per element (a float64 bincount took 16 per changed element)
-    mask[idx] = True
-    return INDEX_BITMAP, np.packbits(mask, bitorder="little").tobytes()
-
-
 def decode_indices(mode: int, raw: bytes, changed: int, numel: int) -> np.ndarray:
     if mode == INDEX_GAPS:
         gaps = leb128_decode(raw, changed, 6)  # positions below 2^42
@@ -367,12 +338,105 @@ class OverBudget(Exception):
     """The patch grew past the size it was allowed (it would travel as an anchor anyway): building stopped early."""
 
 
+class _Spools:
+    """Where a patch is built, off the heap (it runs beside training: a dense patch near its budget held in memory
+    was ~0.3 bytes per parameter of an fp32 model at the trainer's peak). ``out`` is the blob; one tensor's raw
+    streams go to ``gaps``, ``bitmap`` and ``values`` before the shorter index form and the values are compressed,
+    one stream at a time, into ``out``. Unnamed temporary files: the OS drops them however building ends."""
+
+    def __init__(self, where: Path) -> None:
+        self.out, self.gaps, self.bitmap, self.values = (tempfile.TemporaryFile(dir=where) for _ in range(4))
+
+    def reset(self) -> None:
+        for f in (self.gaps, self.bitmap, self.values):
+            f.seek(0)
+            f.truncate()
+
+    def close(self, keep_out: bool = False) -> None:
+        for f in (self.gaps, self.bitmap, self.values) if keep_out else (self.out, self.gaps, self.bitmap, self.values):
+            f.close()
+
+
+def _compress_into(codec: str, src: BinaryIO, out: BinaryIO, room: int | None) -> int:
+    """Compress all of ``src`` (read from its start, a piece at a time) onto ``out``; the compressed length. Raises
+    OverBudget as soon as the output passes ``room`` bytes."""
+    if codec == "zlib":
+        c: Any = zlib.compressobj(ZLIB_LEVEL)
+    elif codec == "lzma":
+        c = lzma.LZMACompressor(preset=LZMA_PRESET)
+    else:
+        raise ValueError(f"unknown patch codec {codec!r}")
+    src.seek(0)
+    written = 0
+    while piece := src.read(COMPRESS_PIECE):
+        written += out.write(c.compress(piece))
+        if room is not None and written > room:
+            raise OverBudget(f"over the budget within a stream of {src.tell()} raw bytes")
+    return written + out.write(c.flush())
+
+
+def _blocks(old_f: BinaryIO, new_f: BinaryIO, t: TensorEntry, width: int, bufs: tuple[np.ndarray, np.ndarray]):
+    """(first element, old, new) of each block of ``BLOCK`` elements of tensor ``t``: views of two reused buffers,
+    read from the two files (each tensor once; never a whole tensor in memory)."""
+    step = BLOCK * width
+    for a in range(0, t.nbytes, step):
+        n = min(step, t.nbytes - a)
+        views = []
+        for f, buf in zip((old_f, new_f), bufs, strict=True):
+            f.seek(t.offset + a)
+            if f.readinto(memoryview(buf[:n])) != n:
+                raise PatchError("weights file shorter than its header says")
+            views.append(buf[:n])
+        yield a // width, views[0], views[1]
+
+
+def _diff_tensor(
+    old_f: BinaryIO, new_f: BinaryIO, t: TensorEntry, width: int | None, bufs, spools: _Spools
+) -> tuple[bytes, int] | None:
+    """One tensor, a block at a time: (blake3 of its new bytes, elements changed), its raw gap, bitmap and value
+    streams written to ``spools``; None if a tensor that cannot be patched (no element width) changed."""
+    h = hasher(t.nbytes)
+    if width is None:
+        for _, o, n in _blocks(old_f, new_f, t, 1, bufs):
+            h.update(n)
+            if not np.array_equal(o, n):
+                return None
+        return h.digest(), 0
+    u, signed = UINTS[width], INTS[width]
+    changed, last = 0, -1  # the last changed position so far (gaps run across blocks)
+    for first, o_bytes, n_bytes in _blocks(old_f, new_f, t, width, bufs):
+        h.update(n_bytes)
+        o, n = o_bytes.view(u), n_bytes.view(u)
+        differs = o != n
+        spools.bitmap.write(np.packbits(differs, bitorder="little").tobytes())  # BLOCK is a multiple of 8
+        hit = np.flatnonzero(differs)
+        del differs
+        if hit.size == 0:
+            continue
+        d = (n[hit] - o[hit]).view(signed).astype(np.int64)  # wraps modulo 2^width: exact both ways
+        spools.values.write(encode_values(d))
+        del d
+        hit += first
+        gaps = np.diff(hit, prepend=last) - 1
+        last = int(hit[-1])
+        changed += hit.size
+        del hit
+        spools.gaps.write(leb128_encode(gaps.astype(np.uint64)))
+    return h.digest(), changed
+
+
 def build_patch(old_path: Path, new_path: Path, codec: str = "zlib", budget: int | None = None) -> BuiltPatch | None:
     """The patch from ``old_path`` to ``new_path`` (safetensors files), or None when they cannot be patched one into
     the other (another layout or header, or a changed tensor of an unsupported element width). Raises OverBudget as
     soon as the patch exceeds ``budget`` bytes (dense changes, e.g. fp32 weights: no need to diff the rest), or once a
     tenth of the weights is diffed and the patch so far, extrapolated to the whole file, would exceed 1.25 x ``budget``
-    (diffing and compressing a dense 300M-parameter fp32 version took ~100 s on this 2-core box)."""
+    (diffing and compressing a dense 300M-parameter fp32 version took ~100 s on this 2-core box).
+
+    It runs beside training, so it holds little: both files are read a block at a time into two reused buffers, and
+    the patch is built in temporary files next to ``new_path`` (a few block-sized arrays on the heap, whatever the
+    model's size or the patch's)."""
+    if BLOCK % 8:
+        raise ValueError("BLOCK must be a multiple of 8 (each block's bitmap is whole bytes)")
     old_head, old_tensors = read_layout(old_path)
     new_head, new_tensors = read_layout(new_path)
     old_size, new_size = Path(old_path).stat().st_size, Path(new_path).stat().st_size
@@ -380,51 +444,46 @@ def build_patch(old_path: Path, new_path: Path, codec: str = "zlib", budget: int
         return None
     if not new_tensors or not tiles(len(new_head), new_tensors, new_size):
         return None
-    # each tensor is read into memory on its own (not memory-mapped: mapped pages would count in the trainer's
-    # resident memory for the whole file, twice)
-    old_f, new_f = open(old_path, "rb"), open(new_path, "rb")
+    most = max(w or 1 for w in map(width_of, new_tensors))
+    bufs = (np.empty(BLOCK * most, dtype=np.uint8), np.empty(BLOCK * most, dtype=np.uint8))
+    spools = _Spools(Path(new_path).parent)
+    done = False
     try:
-        parts: list[bytes] = []
-        deltas: list[TensorDelta] = []
-        hashes: list[bytes] = []
-        changed = elements = size = diffed = 0
-        total = sum(t.nbytes for t in new_tensors)
-        for i, t in enumerate(new_tensors):
-            old_bytes, new_bytes = read_span(old_f, t.offset, t.nbytes), read_span(new_f, t.offset, t.nbytes)
-            hashes.append(digest(new_bytes))
-            diffed += t.nbytes
-            width = width_of(t)
-            elements += t.numel
-            if width is None:
-                if t.nbytes and not np.array_equal(old_bytes, new_bytes):
+        with open(old_path, "rb") as old_f, open(new_path, "rb") as new_f:
+            deltas: list[TensorDelta] = []
+            hashes: list[bytes] = []
+            changed = elements = size = diffed = 0
+            total = sum(t.nbytes for t in new_tensors)
+            for i, t in enumerate(new_tensors):
+                spools.reset()
+                width = width_of(t)
+                result = _diff_tensor(old_f, new_f, t, width, bufs, spools)
+                if result is None:
                     return None
-                continue
-            u = UINTS[width]
-            idx, d = diff_tensor(old_bytes.view(u), new_bytes.view(u))
-            del old_bytes, new_bytes  # this runs beside training: hold as little at once as the encoding allows
-            n_changed = int(idx.size)
-            if n_changed == 0:
-                continue
-            mode, raw_idx = encode_indices(idx, t.numel)
-            del idx
-            idx_stream = compress(codec, raw_idx)
-            del raw_idx
-            val_stream = compress(codec, encode_values(d))
-            del d
-            parts += [idx_stream, val_stream]
-            deltas.append(TensorDelta(i, n_changed, mode, len(idx_stream), len(val_stream)))
-            changed += n_changed
-            size += len(idx_stream) + len(val_stream)
-            if budget is not None and size > budget:
-                raise OverBudget(f"over {budget} bytes after {i + 1} of {len(new_tensors)} tensors")
-            if budget is not None and diffed >= total / 10 and size * total / diffed > PROJECTION_MARGIN * budget:
-                projected = size * total // diffed
-                raise OverBudget(f"{size} bytes for {100 * diffed / total:.0f}% of the weights: ~{projected} in all")
-        header_hash = digest(new_head)
+                hashes.append(result[0])
+                n_changed = result[1]
+                diffed += t.nbytes
+                elements += t.numel
+                if n_changed:
+                    room = None if budget is None else budget - size
+                    # the index stream: gap varints, or the bitmap when that is shorter (dense changes)
+                    mode = INDEX_GAPS if spools.gaps.tell() <= spools.bitmap.tell() else INDEX_BITMAP
+                    index = spools.gaps if mode == INDEX_GAPS else spools.bitmap
+                    idx_len = _compress_into(codec, index, spools.out, room)
+                    val_len = _compress_into(codec, spools.values, spools.out, None if room is None else room - idx_len)
+                    deltas.append(TensorDelta(i, n_changed, mode, idx_len, val_len))
+                    changed += n_changed
+                    size += idx_len + val_len
+                if budget is not None and size > budget:
+                    raise OverBudget(f"over {budget} bytes after {i + 1} of {len(new_tensors)} tensors")
+                if budget is not None and diffed >= total / 10 and size * total / diffed > PROJECTION_MARGIN * budget:
+                    share = f"{100 * diffed / total:.0f}%"
+                    raise OverBudget(f"{size} bytes for {share} of the weights: ~{size * total // diffed} in all")
+        built = BuiltPatch(spools.out, size, deltas, digest(new_head), new_size, hashes, changed, elements)
+        done = True
+        return built
     finally:
-        old_f.close()
-        new_f.close()
-    return BuiltPatch(parts, deltas, header_hash, new_size, hashes, changed, elements)
+        spools.close(keep_out=done)
 
 
 def apply_patch(parent_path: Path, out_path: Path, manifest: Manifest, blob: bytes) -> WeightChanges:

@@ -151,11 +151,13 @@ class Publisher:
         patch = None
         if built is not None:
             chunks = []
-            ranges = cut_ranges(built.size, [], self.chunk_size)
-            for piece in built.pieces(ranges):
-                h = chunk_hash(piece)
-                self.store.put_hashed(h, piece)
-                chunks.append(h)
+            try:
+                for piece in built.pieces(cut_ranges(built.size, [], self.chunk_size)):
+                    h = chunk_hash(piece)
+                    self.store.put_hashed(h, piece)
+                    chunks.append(h)
+            finally:
+                built.close()
             patch = PatchInfo(
                 parent_id=parent.mid,
                 anchor=version if anchor else parent.anchor,
