@@ -2,7 +2,8 @@
 family: the embedded Qwen2 shape, built deterministically), a real swarm on loopback (bootstrap, trainer, one torch
 sampler, separate processes) takes a few GRPO steps, and this prints, per size:
 
-- trainer peak RSS per parameter, and the marginal bytes per parameter between sizes (fixed overhead cancels);
+- trainer peak RSS per parameter, and the marginal bytes per parameter between sizes (fixed overhead cancels),
+  beside the activations autograd kept for the largest micro-batch (trainer/activations.py);
 - per step: forward+backward seconds, verification seconds (logprob recomputation), and the seconds the training
   loop waited for publishing (it names a version and goes on; the next optimizer step waits for the weights file);
 - per version: bytes, seconds to publish in the background (write, cut, hash, diff, sign), throughput;
@@ -117,8 +118,8 @@ def run_size(root: Path, mparams: int, steps: int, dtype: str, publish_dtype: st
                 records = read_jsonl(root / "trainer" / "metrics.jsonl")
                 done = [r for r in records if "time_learn" in r]
                 shown.update(f"{mparams}M ({n_params / 1e6:.1f}M params): step {len(done)}/{steps}")
-                last_v = done[-1]["version"] if done else -1
-                if len(done) >= steps and status(root / "s0").get("version") == last_v:
+                end = next((r for r in records if r.get("finished")), None)  # its version is the final one
+                if end is not None and status(root / "s0").get("version") == end["version"]:
                     break
                 for p in procs:
                     if p.poll() is not None:
@@ -143,6 +144,7 @@ def run_size(root: Path, mparams: int, steps: int, dtype: str, publish_dtype: st
         "rss_loaded_mb": records[0].get("peak_rss_mb", float("nan")),
         "rss_first_step_mb": done[0].get("peak_rss_mb", float("nan")),
         "rss_per_param": t_status["peak_rss_mb"] * (1 << 20) / n_params,
+        "activation_mb": max(r.get("activation_mb", 0.0) for r in done),  # the largest micro-batch's
         "learn_s": mean("time_learn"),
         "verify_s": mean("time_verify"),
         "publish_s": mean("time_publish"),  # what the training loop waited
@@ -217,6 +219,7 @@ def main() -> None:
         "params",
         "peak RSS",
         "B/param",
+        "activations MB",
         "fwd+bwd s",
         "verify s",
         "publish wait s",
@@ -234,6 +237,7 @@ def main() -> None:
             f"{r['params'] / 1e6:.1f}M",
             f"{r['peak_rss_mb']:.0f} MB",
             f"{r['rss_per_param']:.1f}",
+            f"{r['activation_mb']:.0f}",
             f"{r['learn_s']:.2f}",
             f"{r['verify_s']:.2f}",
             f"{r['publish_s']:.2f}",
@@ -251,6 +255,9 @@ def main() -> None:
         for key, what in (("rss_loaded_mb", "models loaded"), ("rss_first_step_mb", "after the first step")):
             m = (b[key] - a[key]) * (1 << 20) / (b["params"] - a["params"])
             lines.append(f"  of which, peak until {what}: {m:.1f} bytes per parameter")
+        act = (b["activation_mb"] - a["activation_mb"]) * (1 << 20) / (b["params"] - a["params"])
+        lines.append(f"  activations (largest micro-batch, in every peak above): {act:.2f} bytes per parameter")
+        lines.append(f"  peak over the run less activations: {marginal - act:.1f} bytes per parameter")
     console.print(table)
     for line in lines[len(rows) :]:
         console.print(line)

@@ -182,3 +182,32 @@ def test_the_trainer_gives_freed_tensor_sized_buffers_back():
 
     assert kept_mb("default") > 150
     assert kept_mb("policy") < 30
+
+
+def test_the_activation_meter_counts_what_backward_keeps_not_the_weights():
+    from trainer.activations import ActivationMeter
+
+    lin = torch.nn.Linear(64, 32)
+    x = torch.randn(10, 64)
+    with ActivationMeter(list(lin.parameters())) as meter:
+        y = lin(x).relu()  # addmm keeps x (and a view of the weight: not counted); relu keeps its output
+    assert meter.bytes == x.nbytes + y.nbytes
+    with meter:  # each use counts afresh
+        pass
+    assert meter.bytes == 0
+
+
+def test_a_step_reports_its_largest_micro_batch_activations(tmp_path, tiny_model_dir):
+    batch = groups(6)
+    sizes = {}
+    for name, kw in {
+        "whole": {"micro_batch_tokens": 1 << 20},
+        "small": {"micro_batch_tokens": 24},
+        "recomputed": {"micro_batch_tokens": 1 << 20, "activation_checkpointing": True},
+    }.items():
+        ln = learner(tmp_path / name, tiny_model_dir, **kw)
+        metrics = ln.step(batch)
+        sizes[name] = ln.activation_bytes
+        assert metrics["activation_mb"] == round(ln.activation_bytes / (1 << 20), 1)
+    assert 0 < sizes["small"] < sizes["whole"] / 2
+    assert 0 < sizes["recomputed"] < sizes["whole"] / 2

@@ -65,6 +65,7 @@ async def test_short_swarm_run_beats_the_untrained_model(tmp_path, tiny_model_di
     assert max(r["time_publish"] for r in train) < 0.25, [round(r["time_publish"], 3) for r in train]
     published = [r["published"] for r in records if "published" in r]
     assert published == sorted(set(published)) and len(published) >= 3
+    assert records[-1].get("finished") and records[-1]["version"] == published[-1]  # the run's end, published
     assert train[-1]["versions_coalesced"] > 0 and train[-1]["version"] < train[-1]["step"]
     assert max(r["staleness"] for r in train) <= 4
     assert (tmp_path / "trainer" / "reward_curve.png").stat().st_size > 1000

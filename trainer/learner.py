@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from protocols.draw import TokenDraw
+from trainer.activations import ActivationMeter
 from trainer.device import Precision, resolve
 from trainer.evaluate import evaluate
 from trainer.groups import Group
@@ -89,9 +90,11 @@ class Learner:
         self.codec = TextCodec(load_tokenizer(model_dir), info.eos_ids, settings.chat_template)
         self.model = load_model(model_dir, torch.float32, self.precision.device).eval()
         if settings.activation_checkpointing:
-            self.model.gradient_checkpointing_enable()
+            self.model.activation_checkpointing_enable()
             self.model.config.use_cache = False
         self.optimizer = adamw(list(self.model.parameters()), settings.lr)
+        self.activations = ActivationMeter(list(self.model.parameters()))
+        self.activation_bytes = 0  # the largest micro-batch's activations in the last step
         self.loss_cfg = LossConfig(settings.clip_low, settings.clip_high, settings.tis_cap, settings.kl_beta)
         self.ref_model = None
         if settings.kl_beta > 0:
@@ -113,6 +116,7 @@ class Learner:
         totals = LossStats(0.0, 0.0, 0.0, 0.0, 0.0)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        self.activation_bytes = 0
         lengths = [len(r.prompt) + len(r.completion) for r in rows]
         for idx in micro_batches(lengths, self.settings.micro_batch_tokens):
             stats = self._accumulate([rows[i] for i in idx], n_tokens)
@@ -143,6 +147,7 @@ class Learner:
             "groups": len(groups),
             "tokens": n_tokens,
             "time_version_wait": waited,
+            "activation_mb": round(self.activation_bytes / (1 << 20), 1),
         }
 
     def _accumulate(self, rows: list[Row], n_tokens: int) -> LossStats:
@@ -150,7 +155,7 @@ class Learner:
         gradients equal those of one pass over the batch."""
         prompts, comps, temps = [r.prompt for r in rows], [r.completion for r in rows], [r.temperature for r in rows]
         device = self.precision.device
-        with self.precision.autocast():
+        with self.precision.autocast(), self.activations:
             logp, mask = token_logprobs(self.model, prompts, comps, temps)
             ref = None
             if self.ref_model is not None:
@@ -167,6 +172,7 @@ class Learner:
             ref,
             token_count=n_tokens,
         )
+        self.activation_bytes = max(self.activation_bytes, self.activations.bytes)
         loss.backward()
         return stats
 

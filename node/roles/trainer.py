@@ -218,6 +218,7 @@ class TrainerRole:
         if learner.steps > named_at:  # the last steps' weights go out too: the run's final version
             await self._publish_version(learner.name_version())
         await self.checkpoint()
+        self.record({"finished": True})  # the run's last record: its version is the final one, published
         self.finished.set()
 
     async def _publish_version(self, version: int) -> None:
