@@ -4,7 +4,8 @@ sampler, separate processes) takes a few GRPO steps, and this prints, per size:
 
 - trainer peak RSS per parameter, and the marginal bytes per parameter between sizes (fixed overhead cancels),
   beside the activations autograd kept for the largest micro-batch (trainer/activations.py);
-- per step: forward+backward seconds, verification seconds (logprob recomputation), and the seconds the training
+- per step: forward and backward seconds, verification seconds (logprob recomputation) and its cost per token
+  scored over the forward's per token trained (one extra forward per rollout token is 1), and the seconds the training
   loop waited for publishing (it names a version and goes on; the next optimizer step waits for the weights file);
 - per version: bytes, seconds to publish in the background (write, cut, hash, diff, sign), throughput;
 - seconds from a version's announcement to the sampler running it (download + reassembly + hot swap).
@@ -135,6 +136,7 @@ def run_size(root: Path, mparams: int, steps: int, dtype: str, publish_dtype: st
             p.wait(timeout=60)
     steps_done = done[1:] or done  # the first step also pays one-off warm-up
     mean = lambda key: sum(r[key] for r in steps_done) / len(steps_done)  # noqa: E731
+    sum_ = lambda key: max(1, sum(r[key] for r in steps_done))  # noqa: E731
     published = [r for r in records if "published" in r]
     return {
         "mparams": mparams,
@@ -146,6 +148,11 @@ def run_size(root: Path, mparams: int, steps: int, dtype: str, publish_dtype: st
         "rss_per_param": t_status["peak_rss_mb"] * (1 << 20) / n_params,
         "activation_mb": max(r.get("activation_mb", 0.0) for r in done),  # the largest micro-batch's
         "learn_s": mean("time_learn"),
+        "forward_s": mean("time_forward"),
+        "backward_s": mean("time_backward"),
+        # verification's cost per token it scored over the forward's per token it trained on (target: <= 1)
+        "verify_per_forward_token": (sum(r["time_verify"] for r in steps_done) / sum_("verify_tokens"))
+        / (sum(r["time_forward"] for r in steps_done) / sum_("forward_tokens")),
         "verify_s": mean("time_verify"),
         "publish_s": mean("time_publish"),  # what the training loop waited
         "publish_bg_s": sum(r["publish_seconds"] for r in published) / max(1, len(published)),
@@ -181,7 +188,8 @@ def plot(rows: list[dict], png: Path) -> None:
         xscale="log", yscale="log", xlabel="parameters (M)", ylabel="bytes per parameter", title="trainer memory"
     )
     for key, label in (
-        ("learn_s", "forward+backward"),
+        ("forward_s", "forward"),
+        ("backward_s", "backward"),
         ("verify_s", "verification"),
         ("publish_s", "publishing: the loop waits"),
         ("publish_bg_s", "publishing: in the background"),
@@ -190,9 +198,10 @@ def plot(rows: list[dict], png: Path) -> None:
     axes[1].plot(p, [r["swap_s"] for r in rows], "s--", label="announce -> swapped (sampler)")
     axes[1].set(xscale="log", yscale="log", xlabel="parameters (M)", ylabel="seconds per step", title="time per step")
     axes[2].plot(p, [r["publish_s"] / r["learn_s"] for r in rows], "o-", label="publish wait / forward+backward")
-    axes[2].plot(p, [r["verify_s"] / r["learn_s"] for r in rows], "o-", label="verify / forward+backward")
+    axes[2].plot(p, [r["verify_per_forward_token"] for r in rows], "o-", label="verify / forward, per token")
+    axes[2].axhline(1.0, color="grey", ls=":", label="verify target 1 (one forward per token)")
     axes[2].axhline(0.1, color="grey", ls="--", label="publish target 0.1")
-    axes[2].set(xscale="log", xlabel="parameters (M)", ylabel="fraction of a step", title="overheads")
+    axes[2].set(xscale="log", xlabel="parameters (M)", ylabel="ratio", title="overheads")
     for ax in axes:
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
@@ -220,8 +229,10 @@ def main() -> None:
         "peak RSS",
         "B/param",
         "activations MB",
-        "fwd+bwd s",
+        "fwd s",
+        "bwd s",
         "verify s",
+        "verify/fwd per token",
         "publish wait s",
         "publish bg s",
         "publish MB",
@@ -238,8 +249,10 @@ def main() -> None:
             f"{r['peak_rss_mb']:.0f} MB",
             f"{r['rss_per_param']:.1f}",
             f"{r['activation_mb']:.0f}",
-            f"{r['learn_s']:.2f}",
+            f"{r['forward_s']:.2f}",
+            f"{r['backward_s']:.2f}",
             f"{r['verify_s']:.2f}",
+            f"{r['verify_per_forward_token']:.2f}",
             f"{r['publish_s']:.2f}",
             f"{r['publish_bg_s']:.2f}",
             f"{r['publish_bytes'] / 1e6:.1f}",

@@ -209,5 +209,7 @@ def test_a_step_reports_its_largest_micro_batch_activations(tmp_path, tiny_model
         metrics = ln.step(batch)
         sizes[name] = ln.activation_bytes
         assert metrics["activation_mb"] == round(ln.activation_bytes / (1 << 20), 1)
+        assert metrics["time_forward"] > 0 and metrics["time_backward"] > 0
+        assert metrics["forward_tokens"] == sum(len(g.prompt_ids) + len(c) for g in batch for c in g.completions)
     assert 0 < sizes["small"] < sizes["whole"] / 2
     assert 0 < sizes["recomputed"] < sizes["whole"] / 2

@@ -34,6 +34,13 @@ class Precision:
         learner are then scored in fp32 arithmetic on their exact bits, as the torch sampler engine runs them)."""
         return torch.float32 if self.compute == torch.float32 else self.publish
 
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (a timer read after this counts it); nothing to wait for on CPU."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elif self.device.type == "mps":
+            torch.mps.synchronize()
+
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.compute == torch.float32:
             return contextlib.nullcontext()

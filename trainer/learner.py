@@ -95,6 +95,8 @@ class Learner:
         self.optimizer = adamw(list(self.model.parameters()), settings.lr)
         self.activations = ActivationMeter(list(self.model.parameters()))
         self.activation_bytes = 0  # the largest micro-batch's activations in the last step
+        self.time_forward = self.time_backward = 0.0  # the last step's, summed over its micro-batches (seconds)
+        self.forward_tokens = 0  # prompt and completion tokens the last step's forward passes took (unpadded)
         self.loss_cfg = LossConfig(settings.clip_low, settings.clip_high, settings.tis_cap, settings.kl_beta)
         self.ref_model = None
         if settings.kl_beta > 0:
@@ -117,7 +119,9 @@ class Learner:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         self.activation_bytes = 0
+        self.time_forward = self.time_backward = 0.0
         lengths = [len(r.prompt) + len(r.completion) for r in rows]
+        self.forward_tokens = sum(lengths)
         for idx in micro_batches(lengths, self.settings.micro_batch_tokens):
             stats = self._accumulate([rows[i] for i in idx], n_tokens)
             totals = LossStats(*(a + b for a, b in zip(vars(totals).values(), vars(stats).values(), strict=True)))
@@ -148,6 +152,9 @@ class Learner:
             "tokens": n_tokens,
             "time_version_wait": waited,
             "activation_mb": round(self.activation_bytes / (1 << 20), 1),
+            "time_forward": self.time_forward,
+            "time_backward": self.time_backward,
+            "forward_tokens": self.forward_tokens,
         }
 
     def _accumulate(self, rows: list[Row], n_tokens: int) -> LossStats:
@@ -155,6 +162,7 @@ class Learner:
         gradients equal those of one pass over the batch."""
         prompts, comps, temps = [r.prompt for r in rows], [r.completion for r in rows], [r.temperature for r in rows]
         device = self.precision.device
+        t0 = time.perf_counter()
         with self.precision.autocast(), self.activations:
             logp, mask = token_logprobs(self.model, prompts, comps, temps)
             ref = None
@@ -173,7 +181,12 @@ class Learner:
             token_count=n_tokens,
         )
         self.activation_bytes = max(self.activation_bytes, self.activations.bytes)
+        self.precision.synchronize()
+        t1 = time.perf_counter()
         loss.backward()
+        self.precision.synchronize()
+        self.time_forward += t1 - t0
+        self.time_backward += time.perf_counter() - t1
         return stats
 
     # -- versions ----------------------------------------------------------------------------------------

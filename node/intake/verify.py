@@ -84,6 +84,7 @@ class RolloutVerifier:
         self.tolerances = tolerances or DEFAULT_TOLERANCES
         self.draw_limits = draw_limits or DEFAULT_DRAW_LIMITS
         self.scoring_seconds = 0.0  # time spent recomputing logprobs (the trainer's cost of verification)
+        self.scored_tokens = 0  # prompt and completion tokens those forward passes took
 
     def check_lease(self, g: RolloutGroup, remote: str, current_version: int) -> None:
         if g.draw != DRAW_RULE:  # an older sampler: not a liar, but its tokens cannot be checked
@@ -126,6 +127,7 @@ class RolloutVerifier:
         draws = self.score(g.version, prompts, comps, g.temperature, g.top_p)
         if draws is None:
             raise Rejected(f"version {g.version} is no longer kept for verification")
+        self.scored_tokens += sum(len(p) + len(c) for p, c in zip(prompts, comps, strict=True))
         ours = [[d.logprob for d in row] for row in draws]
         mean_tol, max_tol = self.tolerances.get(g.quant, self.tolerances["q4"])
         diffs = [

@@ -102,7 +102,7 @@ class TrainerRole:
         self.view = SwarmView()
         self.history: deque[dict[str, Any]] = deque(maxlen=5000)  # recent metric records, for the dashboard
         self.dashboard_url: str | None = None
-        self._verify_seen = 0.0
+        self._verify_seen = (0.0, 0)  # (scoring seconds, tokens scored) at the last step
         self._restore()
 
     def _restore(self) -> None:
@@ -240,10 +240,10 @@ class TrainerRole:
             self.busy_seconds += time.monotonic() - t0
 
     def _verify_time(self) -> dict[str, float]:
-        """Seconds spent recomputing logprobs for verification since the last step."""
-        total = self.intake.verifier.scoring_seconds
-        spent, self._verify_seen = total - self._verify_seen, total
-        return {"time_verify": spent}
+        """Seconds spent recomputing logprobs for verification since the last step, and the tokens scored."""
+        seconds, tokens = self.intake.verifier.scoring_seconds, self.intake.verifier.scored_tokens
+        (seen_s, seen_t), self._verify_seen = self._verify_seen, (seconds, tokens)
+        return {"time_verify": seconds - seen_s, "verify_tokens": tokens - seen_t}
 
     def _busy_fraction(self) -> float:
         start = self.intake.first_accepted_at or time.monotonic()
