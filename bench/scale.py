@@ -182,7 +182,14 @@ def plot(rows: list[dict], png: Path) -> None:
 
     p = [r["params"] / 1e6 for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    axes[0].plot(p, [r["rss_per_param"] for r in rows], "o-", label="trainer peak RSS")
+    axes[0].plot(p, [r["rss_per_param"] for r in rows], "o-", label="trainer peak RSS / parameters")
+    pairs = list(itertools.pairwise(rows))
+    if pairs:
+        marginal = [(b["peak_rss_mb"] - a["peak_rss_mb"]) * (1 << 20) / (b["params"] - a["params"]) for a, b in pairs]
+        act = [(b["activation_mb"] - a["activation_mb"]) * (1 << 20) / (b["params"] - a["params"]) for a, b in pairs]
+        at = [b["params"] / 1e6 for _, b in pairs]
+        axes[0].plot(at, marginal, "s-", label="marginal from the size before (fixed overhead cancels)")
+        axes[0].plot(at, [m - x for m, x in zip(marginal, act, strict=True)], "^--", label="marginal less activations")
     axes[0].axhline(20, color="grey", ls="--", label="target 20 B/param")
     axes[0].set(
         xscale="log", yscale="log", xlabel="parameters (M)", ylabel="bytes per parameter", title="trainer memory"
