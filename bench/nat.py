@@ -78,7 +78,7 @@ def run_scenario(
             swarm.check_alive("boot", "trainer", *samplers)
             swarm.sample_timeline()
             trainer = swarm.status("trainer")
-            if final is None and trainer.get("step", 0) >= steps:
+            if final is None and trainer.get("finished"):  # the final version is named after the last step
                 final = trainer["version"]
                 log(f"trainer finished at version {final} after {time.time() - t0:.0f} s")
             versions = {n: swarm.status(n).get("weights_version", -1) for n in samplers}

@@ -66,6 +66,8 @@ async def test_short_swarm_run_beats_the_untrained_model(tmp_path, tiny_model_di
     published = [r["published"] for r in records if "published" in r]
     assert published == sorted(set(published)) and len(published) >= 3
     assert records[-1].get("finished") and records[-1]["version"] == published[-1]  # the run's end, published
+    status = trainer.role.status()
+    assert status["finished"] and status["version"] == published[-1] and status["step"] == 24
     # every trained rollout was scored once at its version first (verification scores more: some go stale)
     assert sum(r["verify_tokens"] for r in train) >= sum(r["forward_tokens"] for r in train) > 0
     assert train[-1]["versions_coalesced"] > 0 and train[-1]["version"] < train[-1]["step"]

@@ -278,8 +278,9 @@ def test_wan_faults_lose_nothing_and_every_sampler_converges(tmp_path, tiny_mode
         swarm.trainer_args = trainer_args(max_steps=resumed_step + 6)
         swarm.start("trainer")
         sc.down.discard("trainer")
-        sc.pump(lambda: sc.trainer().get("step", 0) >= resumed_step + 6, 300, "the resumed trainer to finish")
-        final = sc.trainer()["version"]
+        sc.pump(lambda: sc.trainer().get("finished"), 300, "the resumed trainer to finish")
+        final = sc.trainer()["version"]  # named and published after the last step
+        assert sc.trainer()["step"] == resumed_step + 6
         assert final > before_kill["version"], "a restarted trainer never reuses a version number"
         sc.pump(lambda: all(sc.version(n) == final for n in honest), 180, f"every sampler to reach version {final}")
         trainer, states = sc.trainer(), {n: swarm.status(n) for n in honest}

@@ -366,6 +366,7 @@ class TrainerRole:
         return {
             "version": self.learner.version,
             "step": self.learner.steps,
+            "finished": self.finished.is_set(),  # --max-steps reached, the final version published: ``version``
             **{k: round(v, 4) for k, v in self.last_metrics.items() if k in shown},
             **self.intake.status(),
             "bytes_uploaded": self.weight_server.bytes_served,
