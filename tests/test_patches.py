@@ -614,7 +614,7 @@ def test_a_patch_is_built_a_block_at_a_time_with_the_same_result(tmp_path, monke
 
 def test_building_a_patch_holds_a_few_blocks_in_memory_not_the_patch(tmp_path, monkeypatch):
     """A dense patch of a 16 MB tensor: the builder's heap stays a few blocks' worth (the patch itself waits in a
-    temporary file); the old builder held the whole tensor's positions and values, ~8x the patch."""
+    temporary file); the old builder held the whole tensor's positions and values: 136 MB for this 9.7 MB patch."""
     import tracemalloc
 
     from safetensors.numpy import save_file
