@@ -549,6 +549,21 @@ def test_a_dense_diff_is_given_up_after_a_tenth_of_the_weights(tmp_path):
     assert build_patch(tmp_path / "old.safetensors", tmp_path / "new.safetensors", budget=2 * full) is not None
 
 
+def test_varint_encoders_held_to_blocks_write_the_same_bytes_as_one_pass():
+    """The trainer encodes a block of values at a time (its temporaries sit beside training): the bytes must be
+    those of one pass, and decode back."""
+    from node.weights.patch import LEB128_BLOCK, _leb128_block, encode_values
+
+    rng = np.random.default_rng(0)
+    n = 2 * LEB128_BLOCK + 12345
+    v = rng.integers(0, 1 << 40, n, dtype=np.uint64) >> rng.integers(0, 40, n).astype(np.uint64)
+    assert leb128_encode(v) == _leb128_block(v)
+    assert np.array_equal(leb128_decode(leb128_encode(v), n), v)
+    d = rng.integers(-(1 << 31), 1 << 31, n, dtype=np.int64)
+    assert encode_values(d) == _leb128_block(zigzag(d))
+    assert np.array_equal(unzigzag(leb128_decode(encode_values(d), n)), d)
+
+
 def patch_round_trip(tmp_path: Path, old: dict, new: dict, **kw):
     """Build the patch old -> new (safetensors files), apply it to old, check the rebuilt file is new's bytes."""
     from dataclasses import replace

@@ -273,11 +273,12 @@ def unzigzag(u: np.ndarray) -> np.ndarray:
 
 
 # -- compression ------------------------------------------------------------------------------------------------
-def compress(codec: str, raw: bytes) -> bytes:
+def compressor(codec: str) -> Any:
+    """A streaming compressor (``compress`` then ``flush``) for one patch stream."""
     if codec == "zlib":
-        return zlib.compress(raw, ZLIB_LEVEL)
+        return zlib.compressobj(ZLIB_LEVEL)
     if codec == "lzma":
-        return lzma.compress(raw, preset=LZMA_PRESET)
+        return lzma.LZMACompressor(preset=LZMA_PRESET)
     raise ValueError(f"unknown patch codec {codec!r}")
 
 
@@ -360,12 +361,7 @@ class _Spools:
 def _compress_into(codec: str, src: BinaryIO, out: BinaryIO, room: int | None) -> int:
     """Compress all of ``src`` (read from its start, a piece at a time) onto ``out``; the compressed length. Raises
     OverBudget as soon as the output passes ``room`` bytes."""
-    if codec == "zlib":
-        c: Any = zlib.compressobj(ZLIB_LEVEL)
-    elif codec == "lzma":
-        c = lzma.LZMACompressor(preset=LZMA_PRESET)
-    else:
-        raise ValueError(f"unknown patch codec {codec!r}")
+    c = compressor(codec)
     src.seek(0)
     written = 0
     while piece := src.read(COMPRESS_PIECE):
