@@ -5,11 +5,15 @@ published versions open in stock transformers and mlx-lm."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import trio
 
 from tests.helpers import build_llama_bpe, start_bootstrap, start_sampler, start_trainer, wait_until
+from trainer.errors import UserError
+from trainer.model import load_tokenizer
+from trainer.model_dir import inspect_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -68,3 +72,19 @@ async def test_llama_bpe_chat_dataset_bf16_trainer_mlx_int8_sampler(tmp_path, ll
     AutoModelForCausalLM.from_pretrained(version_dir)
     assert AutoTokenizer.from_pretrained(version_dir).chat_template
     mlx_lm.load(str(version_dir))
+
+
+def test_a_model_dir_without_tokenizer_files_says_so(tmp_path, llama_dir):
+    """Issue 24: transformers said "You need to have sentencepiece or tiktoken installed" (a Qwen2 silently got a
+    one-token tokenizer); the error names the directory and the files it lacks."""
+    bare = tmp_path / "bare"
+    shutil.copytree(llama_dir, bare, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens_map.json"))
+    for check in (inspect_model_dir, load_tokenizer):
+        with pytest.raises(UserError, match=rf"{bare} has no tokenizer files \(tokenizer\.json, or tokenizer\.model"):
+            check(bare)
+    (bare / "tokenizer.model").write_bytes(b"a sentencepiece model")
+    for check in (inspect_model_dir, load_tokenizer):
+        with pytest.raises(UserError, match=rf"{bare} has no tokenizer\.json, only tokenizer\.model"):
+            check(bare)
+    shutil.copy(llama_dir / "tokenizer.json", bare / "tokenizer.json")
+    assert inspect_model_dir(bare).model_type == "llama" and len(load_tokenizer(bare)) > 100

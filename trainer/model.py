@@ -20,7 +20,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from trainer.errors import UserError
-from trainer.model_dir import TOKENIZER_FILES, flatten_rope_theta, inspect_model_dir
+from trainer.model_dir import TOKENIZER_FILES, flatten_rope_theta, inspect_model_dir, require_tokenizer
 
 transformers.utils.logging.disable_progress_bar()
 transformers.utils.logging.set_verbosity_error()
@@ -41,6 +41,7 @@ def load_model(
 
 
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
+    require_tokenizer(Path(model_dir))
     try:
         return AutoTokenizer.from_pretrained(model_dir)
     except Exception as exc:

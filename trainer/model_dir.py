@@ -22,6 +22,9 @@ TOKENIZER_FILES = (
     "generation_config.json",
     "chat_template.jinja",
 )
+# what a tokenizer may come as instead of tokenizer.json: transformers converts these (sentencepiece, tiktoken or
+# BPE vocab files), but samplers get only tokenizer.json with every version (TOKENIZER_FILES)
+SLOW_TOKENIZER_FILES = ("tokenizer.model", "tiktoken.model", "vocab.json", "merges.txt", "vocab.txt")
 
 
 @dataclass(frozen=True)
@@ -51,9 +54,28 @@ def inspect_model_dir(path: Path) -> ModelDirInfo:
         raise UserError(f"model directory {path}: model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
     if not any(path.glob("*.safetensors")):
         raise UserError(f"model directory {path} has no *.safetensors weight files")
+    require_tokenizer(path)
     eos_ids = stop_ids(path, config)
     rope = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta")
     return ModelDirInfo(path, config, model_type, eos_ids, float(rope) if rope is not None else None)
+
+
+def require_tokenizer(path: Path) -> None:
+    """A fast tokenizer (tokenizer.json) must be there: without one, transformers builds a one-token tokenizer
+    for a Qwen2 and asks a Llama for sentencepiece or tiktoken, neither of which says that the file is missing."""
+    if (path / "tokenizer.json").is_file():
+        return
+    slow = [name for name in SLOW_TOKENIZER_FILES if (path / name).is_file()]
+    if slow:
+        raise UserError(
+            f"model directory {path} has no tokenizer.json, only {', '.join(slow)}: swarmrl needs the fast "
+            "tokenizer file (every version ships it to the samplers); write it once with "
+            "AutoTokenizer.from_pretrained(dir).save_pretrained(dir) where that tokenizer loads"
+        )
+    raise UserError(
+        f"model directory {path} has no tokenizer files (tokenizer.json, or tokenizer.model / vocab.json + "
+        "merges.txt to convert from): copy them from the model it was trained from"
+    )
 
 
 def _ids(value: Any) -> list[int]:
