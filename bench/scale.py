@@ -74,10 +74,11 @@ def run_size(root: Path, mparams: int, steps: int, dtype: str, publish_dtype: st
     trainer_id = peer_id_of(load_or_create_key(root / "trainer" / "identity.key"))
     cfg = root / "bootstrap.toml"
     write_config_file(cfg, "scale", [f"/ip4/127.0.0.1/tcp/{port}/p2p/{boot_id}"], str(trainer_id))
-    common = ["--config", str(cfg), "--provide-interval", "2", "--status-interval", "0.5", "--model", str(model)]
+    common = ["--config", str(cfg), "--provide-interval", "2", "--status-interval", "0.5"]
 
     def spawn(role: str, name: str, *extra: str) -> subprocess.Popen:
-        argv = [*CLI, "node", "--role", role, "--data-dir", str(root / name), *common, *extra]
+        mine = ["--model", str(model)] if role == "trainer" else []  # another role's flag is an error
+        argv = [*CLI, "node", "--role", role, "--data-dir", str(root / name), *common, *mine, *extra]
         return subprocess.Popen(argv, cwd=root, stdout=open(root / f"{name}.log", "w"), stderr=subprocess.STDOUT)
 
     procs = [spawn("bootstrap", "boot", "--listen", f"/ip4/127.0.0.1/tcp/{port}")]

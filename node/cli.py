@@ -15,7 +15,7 @@ from node.config import ROLES, NodeConfig, parse_multiaddr, parse_peer_id, read_
 from node.errors import UserError
 from node.identity import load_or_create_key, peer_id_of
 from node.private import load_swarm_key, write_swarm_key
-from node.settings import Settings, add_flags, build_settings, parse_tables
+from node.settings import Settings, add_flags, build_settings, check_role, parse_tables
 from trainer.memory import apply_trainer_malloc_policy
 
 log = logging.getLogger("swarmrl")
@@ -109,10 +109,13 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
 
 
 def load_settings(args: argparse.Namespace) -> Settings:
-    """Flags > bootstrap.toml's [trainer]/[sampler]/[weights] tables > defaults."""
+    """Flags > bootstrap.toml's [trainer]/[sampler]/[weights] tables > defaults; a knob this role would ignore
+    is an error (node/settings.py check_role)."""
     path = config_path(args)
     tables = parse_tables(read_config_file(path), path) if path is not None else None
-    return build_settings(tables, args)
+    settings = build_settings(tables, args)
+    check_role(args.role, settings, args, tables, path)
+    return settings
 
 
 def build_role(config: NodeConfig, settings: Settings):

@@ -92,9 +92,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     specs = [("bootstrap", "bootstrap", ["--listen", f"/ip4/127.0.0.1/tcp/{args.port}"])]
     trainer_args = ["--listen", loopback, "--task", args.task, "--max-steps", str(args.steps), "--model", str(model)]
     specs.append(("trainer", "trainer", trainer_args))
+    bits = [] if args.engine == "torch" else ["--bits", args.bits]  # torch does not quantize: --bits is an error
     specs += [
-        ("sampler", f"sampler{i}", ["--listen", loopback, "--engine", args.engine, "--bits", args.bits])
-        for i in range(args.samplers)
+        ("sampler", f"sampler{i}", ["--listen", loopback, "--engine", args.engine, *bits]) for i in range(args.samplers)
     ]
     console.print(
         f"[bold]swarmrl demo[/]: 1 trainer + {args.samplers} samplers on 127.0.0.1, task {args.task!r}, "

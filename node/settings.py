@@ -4,6 +4,10 @@ From these come the command-line flags (``add_flags``) and the bootstrap.toml ta
 ``[sampler]`` and ``[weights]`` (``[swarm]`` is node/config.py's). Precedence: a flag given on the command
 line, else the file's value, else the default. ``[trainer]`` holds both the trainer role's knobs and the
 learner's (trainer/settings.py), as a user thinks of them as one thing.
+
+Each table knows the roles that use it (``TABLE_ROLES``), and a knob may say when its value is moot (``moot``: a
+function of its table's values giving the reason, or None); ``check_role`` turns both into errors, so that a flag a
+node would ignore is never silently ignored.
 """
 
 from __future__ import annotations
@@ -20,7 +24,15 @@ from trainer.settings import LearnerSettings, knob
 @dataclass
 class TrainerSettings:
     task: str = knob("reverse", "built-in task (reverse, add), jsonl:PATH (prompt/answer lines), or module:factory")
-    reward: str = knob("exact", "how a jsonl task scores: exact, numeric, or module:function(completion, answer)")
+    reward: str = knob(
+        "exact",
+        "how a jsonl task scores: exact, numeric, or module:function(completion, answer)",
+        moot=lambda s: (
+            None
+            if s.task.startswith("jsonl:")
+            else f"task {s.task!r} scores its own completions (a reward applies to jsonl: tasks only)"
+        ),
+    )
     group_size: int = knob(8, "samples per GRPO group")
     groups_per_lease: int = knob(4, "most groups one lease hands out")
     temperature: float = knob(1.0, "sampling temperature")
@@ -51,7 +63,16 @@ class TrainerSettings:
 @dataclass
 class SamplerSettings:
     engine: str = knob("auto", "sampling engine", choices=("auto", "mlx", "torch"))
-    bits: str = knob("8", "MLX quantization bits", choices=("8", "4", "none"))
+    bits: str = knob(
+        "8",
+        "MLX quantization bits",
+        choices=("8", "4", "none"),
+        moot=lambda s: (
+            "the torch engine does not quantize (use --engine mlx, or drop --bits)"
+            if s.engine == "torch" and s.bits != "none"
+            else None
+        ),
+    )
     groups_per_request: int = knob(4, "groups asked for in one work request")
     submit_attempts: int = knob(5, "tries to deliver a group when the trainer cannot be reached")
     rate_limit_patience: float = knob(120.0, "seconds a group may wait on rate-limit refusals before it is dropped")
@@ -89,6 +110,11 @@ TABLES: dict[str, tuple[type, ...]] = {
     "sampler": (SamplerSettings,),
     "weights": (WeightSettings,),
 }
+TABLE_ROLES: dict[str, tuple[str, ...]] = {
+    "trainer": ("trainer",),
+    "sampler": ("sampler",),
+    "weights": ("trainer", "sampler"),
+}
 
 
 @dataclass
@@ -110,7 +136,8 @@ def _type(f: Any) -> type:
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per knob; each defaults to None so that an unset flag lets the file's value through."""
     for table, classes in TABLES.items():
-        group = parser.add_argument_group(f"[{table}] settings (also settable in bootstrap.toml)")
+        roles = " and ".join(TABLE_ROLES[table])
+        group = parser.add_argument_group(f"[{table}] settings, for the {roles} (also settable in bootstrap.toml)")
         for cls in classes:
             for f in fields(cls):
                 help_text = f"{f.metadata['help']} (default: {f.default})"
@@ -177,3 +204,53 @@ def build_settings(file_tables: dict[str, dict[str, Any]] | None, args: argparse
         return replace(cls(), **values)
 
     return Settings(make(TrainerSettings), make(LearnerSettings), make(SamplerSettings), make(WeightSettings))
+
+
+def given_knobs(
+    file_tables: dict[str, dict[str, Any]] | None, args: argparse.Namespace | None, path: Path | None
+) -> dict[tuple[str, str], str]:
+    """The knobs set on purpose, by (class name, field name): how each was given, for error messages."""
+    out: dict[tuple[str, str], str] = {}
+    for table, classes in TABLES.items():
+        for cls in classes:
+            for f in fields(cls):
+                if f.name in (file_tables or {}).get(cls.__name__, {}):
+                    out[cls.__name__, f.name] = f"{path} [{table}] {f.name}"
+                value = getattr(args, f"{cls.__name__}.{f.name}", None) if args is not None else None
+                if value is not None:
+                    out[cls.__name__, f.name] = _flag(f) if isinstance(value, bool) else f"{_flag(f)} {value}"
+    return out
+
+
+def check_role(
+    role: str,
+    settings: Settings,
+    args: argparse.Namespace | None,
+    file_tables: dict[str, dict[str, Any]] | None,
+    path: Path | None = None,
+) -> None:
+    """A knob the node would ignore is an error: a flag of another role's table (the file's tables for other
+    roles are fine: one bootstrap.toml serves the whole swarm), or a knob given on purpose that the values
+    around it make moot (``--bits`` with the torch engine). Defaults never count."""
+    foreign = []
+    for table, classes in TABLES.items():
+        if role in TABLE_ROLES[table]:
+            continue
+        for cls in classes:
+            for f in fields(cls):
+                if args is not None and getattr(args, f"{cls.__name__}.{f.name}", None) is not None:
+                    foreign.append(f"{_flag(f)} ({' and '.join(TABLE_ROLES[table])})")
+    if foreign:
+        what = "a flag of another role" if len(foreign) == 1 else "flags of other roles"
+        raise UserError(f"{', '.join(foreign)}: {what}, which a --role {role} node would ignore")
+    given = given_knobs(file_tables, args, path)
+    for table, classes in TABLES.items():
+        if role not in TABLE_ROLES[table]:
+            continue
+        for cls in classes:
+            values = next(v for v in vars(settings).values() if type(v) is cls)
+            for f in fields(cls):
+                moot = f.metadata.get("moot")
+                why = moot(values) if moot is not None and (cls.__name__, f.name) in given else None
+                if why:
+                    raise UserError(f"{given[cls.__name__, f.name]} has no effect: {why}")

@@ -98,11 +98,12 @@ def process_swarm(tmp_path: Path, swarm: str, model_dir: Path):
     trainer_id = peer_id_of(load_or_create_key(tmp_path / "trainer" / "identity.key"))
     cfg = tmp_path / "bootstrap.toml"
     write_config_file(cfg, swarm, [f"/ip4/127.0.0.1/tcp/{port}/p2p/{boot_id}"], str(trainer_id))
-    common = ["--config", str(cfg), "--provide-interval", "2", "--model", str(model_dir), "--status-interval", "0.5"]
+    common = ["--config", str(cfg), "--provide-interval", "2", "--status-interval", "0.5"]
 
     def spawn(role: str, name: str, *extra: str) -> subprocess.Popen:
+        model = ["--model", str(model_dir)] if role == "trainer" else []  # another role's flag is an error
         return subprocess.Popen(
-            [*CLI, "node", "--role", role, "--data-dir", str(tmp_path / name), *common, *extra],
+            [*CLI, "node", "--role", role, "--data-dir", str(tmp_path / name), *common, *model, *extra],
             cwd=tmp_path,
             stdout=open(tmp_path / f"{name}.log", "a"),
             stderr=subprocess.STDOUT,

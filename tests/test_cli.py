@@ -52,6 +52,13 @@ def test_sampler_without_trusted_trainer_is_refused(tmp_path):
     assert r.returncode == 2 and "trusted trainer peer id" in r.stderr
 
 
+def test_a_flag_of_another_role_is_an_error_naming_the_role(tmp_path):
+    """Issue 24: `--model` given to a sampler was silently ignored."""
+    r = run_cli("node", "--role", "sampler", "--model", "m", "--task", "add", "--data-dir", str(tmp_path), cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "--task (trainer), --model (trainer): flags of other roles, which a --role sampler node" in r.stderr
+
+
 @pytest.mark.slow
 def test_swarm_of_separate_processes(tmp_path, tiny_model_dir):
     port, trainer_id, spawn = process_swarm(tmp_path, "proc", tiny_model_dir)

@@ -14,10 +14,10 @@ from trainer.errors import UserError
 from trainer.settings import LearnerSettings
 
 
-def parse(*argv: str) -> argparse.Namespace:
+def parse(*argv: str, role: str = "trainer") -> argparse.Namespace:
     p = argparse.ArgumentParser()
     add_node_args(p)
-    return p.parse_args(["--role", "trainer", *argv])
+    return p.parse_args(["--role", role, *argv])
 
 
 def test_flags_override_the_file_which_overrides_defaults(tmp_path):
@@ -67,3 +67,53 @@ def test_bad_values_in_the_file_are_clear_errors(tmp_path, text, message):
     cfg.write_text(text)
     with pytest.raises(UserError, match=message):
         load_settings(parse("--config", str(cfg)))
+
+
+@pytest.mark.parametrize(
+    ("role", "argv", "message"),
+    [
+        ("sampler", ["--model", "m"], r"--model \(trainer\): a flag of another role, which a --role sampler node"),
+        ("sampler", ["--task", "add", "--reward", "numeric"], r"--task \(trainer\), --reward \(trainer\)"),
+        ("trainer", ["--engine", "torch"], r"--engine \(sampler\).*--role trainer"),
+        ("trainer", ["--bits", "4"], r"--bits \(sampler\)"),
+        ("bootstrap", ["--chunk-size", "4096"], r"--chunk-size \(trainer and sampler\).*--role bootstrap"),
+        ("bootstrap", ["--lr", "0.1", "--engine", "mlx"], r"--lr \(trainer\), --engine \(sampler\)"),
+        ("sampler", ["--bits", "4", "--engine", "torch"], "--bits 4 has no effect: the torch engine does not quantize"),
+        ("trainer", ["--reward", "numeric"], "--reward numeric has no effect: task 'reverse' scores its own"),
+        ("trainer", ["--task", "add", "--reward", "exact"], "--reward exact has no effect: task 'add'"),
+    ],
+)
+def test_a_flag_the_role_would_ignore_is_an_error(role, argv, message):
+    """Issue 24: flags of another role, and knobs other values make moot, were silently ignored."""
+    with pytest.raises(UserError, match=message):
+        load_settings(parse(*argv, role=role))
+
+
+@pytest.mark.parametrize(
+    ("role", "argv"),
+    [
+        ("sampler", []),
+        ("trainer", []),
+        ("bootstrap", []),
+        ("sampler", ["--engine", "torch"]),  # the default bits do not count
+        ("sampler", ["--engine", "torch", "--bits", "none"]),
+        ("sampler", ["--engine", "mlx", "--bits", "4", "--chunk-size", "4096"]),
+        ("trainer", ["--task", "jsonl:data.jsonl", "--reward", "numeric", "--weights-encoding", "int8"]),
+    ],
+)
+def test_flags_the_role_uses_are_fine(role, argv):
+    load_settings(parse(*argv, role=role))
+
+
+def test_the_file_counts_only_for_its_own_role(tmp_path):
+    """One bootstrap.toml serves the whole swarm: a sampler ignores [trainer], but its own [sampler] table is
+    checked like flags."""
+    cfg = tmp_path / "bootstrap.toml"
+    cfg.write_text('[trainer]\nmodel_dir = "m"\nreward = "numeric"\ntask = "jsonl:d.jsonl"\n[sampler]\nbits = "4"\n')
+    assert load_settings(parse("--config", str(cfg), role="sampler")).sampler.bits == "4"
+    assert load_settings(parse("--config", str(cfg))).trainer.reward == "numeric"
+    load_settings(parse("--config", str(cfg), role="bootstrap"))
+    with pytest.raises(UserError, match=r"bootstrap.toml \[sampler\] bits has no effect: the torch engine"):
+        load_settings(parse("--config", str(cfg), "--engine", "torch", role="sampler"))
+    with pytest.raises(UserError, match=r"\[trainer\] reward has no effect: task 'add'"):
+        load_settings(parse("--config", str(cfg), "--task", "add"))

@@ -88,7 +88,8 @@ class WanSwarm:
         return [
             sys.executable, "-P", "-m", "node.cli", "node", "--role", role, "--config", str(self.config),
             "--data-dir", str(self.root / name), "--listen", f"/ip4/{self.lab.hosts[name].ip}/tcp/{PORT}",
-            "--provide-interval", "3", "--status-interval", "0.5", "--model", str(self.model_dir), *extra,
+            "--provide-interval", "3", "--status-interval", "0.5",
+            *(["--model", str(self.model_dir)] if role == "trainer" else []), *extra,
         ]  # fmt: skip
 
     def start(self, name: str) -> None:
