@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
 from node.cli import add_node_args, load_settings
-from node.settings import TABLES
+from node.config import read_config_file, swarm_values
+from node.identity import load_or_create_key, peer_id_of
+from node.private import write_swarm_key
+from node.settings import TABLES, parse_tables
 from trainer.errors import UserError
 from trainer.settings import LearnerSettings
 
@@ -117,3 +121,23 @@ def test_the_file_counts_only_for_its_own_role(tmp_path):
         load_settings(parse("--config", str(cfg), "--engine", "torch", role="sampler"))
     with pytest.raises(UserError, match=r"\[trainer\] reward has no effect: task 'add'"):
         load_settings(parse("--config", str(cfg), "--task", "add"))
+
+
+def test_the_shipped_bootstrap_toml_and_its_examples_are_valid(tmp_path):
+    """Issue 24: its commented-out `encoding = "fp32"` failed with "'fp32' is not one of native, int8". The file as
+    shipped loads, and so does every example line in it once uncommented (placeholder peer ids filled in)."""
+    shipped = Path(__file__).resolve().parents[1] / "bootstrap.toml"
+    data = read_config_file(shipped)
+    swarm_values(data, shipped)
+    parse_tables(data, shipped)
+    peer = str(peer_id_of(load_or_create_key(tmp_path / "peer.key")))
+    text = re.sub(r"(?m)^# (\[\w+\]|\w+ = .*)$", r"\1", shipped.read_text()).replace("12D3KooW...", peer)
+    write_swarm_key(tmp_path / "swarm.key")
+    cfg = tmp_path / "bootstrap.toml"
+    cfg.write_text(text)
+    data = read_config_file(cfg)
+    assert set(data) == {"swarm", "trainer", "sampler", "weights"} and all(data.values()), text
+    values = swarm_values(data, cfg)
+    assert values["trainer_id"] and values["psk"] and values["allow"]
+    for role in ("trainer", "sampler"):  # each knob in the role's own tables is checked as if given on purpose
+        assert load_settings(parse("--config", str(cfg), role=role)).weights.encoding == data["weights"]["encoding"]
