@@ -177,13 +177,38 @@ async def open_swarm(
                 yield swarm
 
 
-async def join_bootstrap(swarm: Swarm, addrs: tuple[multiaddr.Multiaddr, ...], timeout: float) -> int:
+BOOTSTRAP_RETRY_FIRST = 1.0  # seconds before a bootstrap peer that did not answer is dialled again; doubles
+BOOTSTRAP_RETRY_MOST = 60.0  # up to this
+
+
+def bootstrap_peers(swarm: Swarm, addrs: tuple[multiaddr.Multiaddr, ...]) -> tuple[list[PeerInfo], bool]:
+    """The listed bootstrap peers other than this node, and whether this node is listed itself (by its peer id,
+    or by one of its own listen addresses): one bootstrap.toml lists every bootstrap node of a swarm."""
+    mine = [a for a in [*swarm.host.get_addrs(), *swarm.addrs()] if not is_relayed_addr(a)]
+    own = {str(a).split("/p2p/")[0] for a in mine}
+    others, listed = [], False
+    for addr in addrs:
+        info = info_from_p2p_addr(addr)
+        if info.peer_id == swarm.peer_id or str(addr).split("/p2p/")[0] in own:
+            if info.peer_id != swarm.peer_id:
+                log.warning("bootstrap entry %s is this node's address, but not its peer id %s", addr, swarm.peer_id)
+            listed = True
+        else:
+            others.append(info)
+    return others, listed
+
+
+def forget_failure(swarm: Swarm, peer: ID) -> None:
+    """py-libp2p refuses to dial a peer for 60 s after all its addresses failed (its negative cache): a bootstrap
+    peer that comes up within that minute would be missed by every retry. Our retries have their own backoff."""
+    swarm.host.get_network().unblock_peer(peer)
+
+
+async def join_bootstrap(swarm: Swarm, infos: list[PeerInfo], timeout: float) -> int:
     """Connect to every bootstrap peer we can; retry until ``timeout``; raise if none answered.
 
     Returns how many were reached. A node with no bootstrap peers is a swarm's first node.
     """
-    infos = [info_from_p2p_addr(a) for a in addrs]
-    infos = [i for i in infos if i.peer_id != swarm.peer_id]
     if not infos:
         return 0
     errors: dict[str, str] = {}
@@ -192,6 +217,7 @@ async def join_bootstrap(swarm: Swarm, addrs: tuple[multiaddr.Multiaddr, ...], t
         reached = 0
         for info in infos:
             try:
+                forget_failure(swarm, info.peer_id)
                 await swarm.connect(info, timeout=max(1.0, min(10.0, deadline - trio.current_time())))
                 reached += 1
             except Exception as exc:
@@ -202,3 +228,35 @@ async def join_bootstrap(swarm: Swarm, addrs: tuple[multiaddr.Multiaddr, ...], t
             detail = "; ".join(f"{pid}: {err}" for pid, err in errors.items())
             raise UserError(f"could not reach any bootstrap peer within {timeout:.0f} s ({detail})")
         await trio.sleep(1.0)
+
+
+async def keep_bootstrap_peers(
+    swarm: Swarm, infos: list[PeerInfo], first: float = BOOTSTRAP_RETRY_FIRST, most: float = BOOTSTRAP_RETRY_MOST
+) -> None:
+    """Keep a connection to every bootstrap peer, forever: one that is down (a swarm's other bootstrap nodes
+    while the first one starts, or one that restarts) is dialled again with backoff, ``first`` doubling up to
+    ``most`` seconds between tries."""
+    async with trio.open_nursery() as nursery:
+        for info in infos:
+            nursery.start_soon(_keep_bootstrap_peer, swarm, info, first, most)
+
+
+async def _keep_bootstrap_peer(swarm: Swarm, info: PeerInfo, first: float, most: float) -> None:
+    delay, failed = first, False
+    while True:
+        if info.peer_id in swarm.host.get_connected_peers():
+            delay = first
+            await trio.sleep(first)
+            continue
+        try:
+            forget_failure(swarm, info.peer_id)
+            await swarm.connect(info, timeout=10.0)
+            log.info("bootstrap peer %s reached", info.peer_id)
+            delay, failed = first, False
+        except Exception as exc:
+            # said once per outage (a private swarm with the wrong key would retry silently otherwise)
+            level = logging.DEBUG if failed else logging.WARNING
+            log.log(level, "bootstrap peer %s not reached, trying again in the background: %s", info.peer_id, exc)
+            failed = True
+            await trio.sleep(delay)
+            delay = min(2 * delay, most)

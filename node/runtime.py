@@ -12,7 +12,7 @@ from libp2p.peer.id import ID
 
 from node.config import NodeConfig
 from node.errors import UserError
-from node.host import Swarm, join_bootstrap, open_swarm
+from node.host import Swarm, bootstrap_peers, join_bootstrap, keep_bootstrap_peers, open_swarm
 from node.identity import load_or_create_key, peer_id_of
 from node.reachability import ReachOptions
 from node.status import status_line, write_status
@@ -85,21 +85,29 @@ async def run_node(config: NodeConfig, role: Role, *, task_status=trio.TASK_STAT
     ):
         swarm.gossip = gossip
         role.register(swarm)
-        try:
-            reached = await join_bootstrap(swarm, config.bootstrap, config.bootstrap_timeout)
-        except UserError as exc:
-            if config.psk is None:
-                raise
-            hint = "this is a private swarm: do the bootstrap peers use the same swarm key?"
-            raise UserError(f"{exc} [{hint}]") from None
+        others, listed = bootstrap_peers(swarm, config.bootstrap)
+        if config.role == "bootstrap" or listed:
+            # a bootstrap node needs no one to start: the first of a swarm's bootstrap nodes finds none of the
+            # others up, and dials them in the background below until they are
+            reached = 0
+        else:
+            try:
+                reached = await join_bootstrap(swarm, others, config.bootstrap_timeout)
+            except UserError as exc:
+                if config.psk is None:
+                    raise
+                hint = "this is a private swarm: do the bootstrap peers use the same swarm key?"
+                raise UserError(f"{exc} [{hint}]") from None
         log.info(
-            "%s %s listening on %s; %d bootstrap peer(s) reached",
+            "%s %s listening on %s; %d of %d bootstrap peer(s) reached",
             role.name,
             swarm.peer_id,
             ", ".join(map(str, swarm.addrs())),
             reached,
+            len(others),
         )
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(keep_bootstrap_peers, swarm, others)
             nursery.start_soon(swarm.feed_routing_table, 1.0)
             nursery.start_soon(_report_status, config, swarm, role)
             nursery.start_soon(_run_role, role, swarm, nursery.cancel_scope)

@@ -29,11 +29,14 @@ def test_bad_config_file_is_a_clear_error(tmp_path):
 
 
 def test_unreachable_bootstrap_is_a_clear_error(tmp_path):
+    """For a sampler or a trainer; a bootstrap node starts alone (tests/test_swarm_discovery.py)."""
     other = peer_id_of(load_or_create_key(tmp_path / "other.key"))
     r = run_cli(
         "node",
         "--role",
-        "bootstrap",
+        "sampler",
+        "--trainer",
+        str(other),
         "--bootstrap",
         f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{other}",
         "--bootstrap-timeout",

@@ -5,9 +5,22 @@ from __future__ import annotations
 import socket
 
 import trio
+from libp2p.peer.peerinfo import info_from_p2p_addr
 from multiaddr import Multiaddr
 
-from tests.helpers import start_bootstrap, start_sampler, start_trainer, wait_until
+from node.host import bootstrap_peers, join_bootstrap, open_swarm
+from node.identity import load_or_create_key, peer_id_of
+from node.roles.bootstrap import BootstrapRole
+from tests.helpers import (
+    LOOPBACK,
+    free_port,
+    node_config,
+    start,
+    start_bootstrap,
+    start_sampler,
+    start_trainer,
+    wait_until,
+)
 
 
 async def test_samplers_find_trainer_and_each_other_via_dht(tmp_path, tiny_model_dir):
@@ -62,6 +75,65 @@ async def test_samplers_find_trainer_and_each_other_via_dht(tmp_path, tiny_model
                     await s.role._find_trainer(s.swarm)
                     await trio.sleep(0.2)
         nursery.cancel_scope.cancel()
+
+
+async def test_a_bootstrap_node_starts_alone_and_reaches_the_others_later(tmp_path):
+    """Issue 24: a bootstrap node whose bootstrap.toml lists the swarm's other bootstrap nodes exited when none
+    answered, so the first one could never start. It starts alone, serves, and dials the others until they are up."""
+    port = free_port()
+    later_id = peer_id_of(load_or_create_key(tmp_path / "later" / "identity.key"))
+    later_addr = Multiaddr(f"/ip4/127.0.0.1/tcp/{port}/p2p/{later_id}")
+    async with trio.open_nursery() as nursery:
+        first_cfg = node_config(tmp_path, "first", "bootstrap", bootstrap=(later_addr,), bootstrap_timeout=1.0)
+        with trio.fail_after(20):
+            first = await start(nursery, first_cfg, BootstrapRole())
+        await trio.sleep(1.5)  # past its bootstrap timeout: still up
+        # it serves: a node joins the swarm through it (what a sampler or a trainer does first)
+        async with open_swarm(load_or_create_key(tmp_path / "joiner.key"), LOOPBACK) as joiner:
+            assert await join_bootstrap(joiner, [info_from_p2p_addr(first.swarm.addrs()[0])], timeout=10) == 1
+            await wait_until(lambda: joiner.peer_id in first.swarm.host.get_connected_peers(), 10, what="joiner")
+        # the other bootstrap node comes up later (knowing nobody): the first one's retries reach it
+        later_cfg = node_config(tmp_path, "later", "bootstrap", listen=Multiaddr(f"/ip4/127.0.0.1/tcp/{port}"))
+        later = await start(nursery, later_cfg, BootstrapRole())
+        assert later.swarm.peer_id == later_id
+        await wait_until(
+            lambda: later_id in first.swarm.host.get_connected_peers(), 40, what="the first node to reach the later one"
+        )
+        nursery.cancel_scope.cancel()
+
+
+async def test_joining_waits_for_a_bootstrap_peer_that_comes_up_late(tmp_path):
+    """A sampler started a few seconds before its bootstrap node joins it: the retries within --bootstrap-timeout
+    dial again (py-libp2p would refuse for 60 s after the first failure: its negative dial cache)."""
+    port = free_port()
+    boot_id = peer_id_of(load_or_create_key(tmp_path / "boot" / "identity.key"))
+    boot_addr = Multiaddr(f"/ip4/127.0.0.1/tcp/{port}/p2p/{boot_id}")
+    async with trio.open_nursery() as nursery, open_swarm(load_or_create_key(tmp_path / "s.key"), LOOPBACK) as me:
+
+        async def boot_later() -> None:
+            await trio.sleep(2.5)
+            listen = Multiaddr(f"/ip4/127.0.0.1/tcp/{port}")
+            await start(nursery, node_config(tmp_path, "boot", "bootstrap", listen=listen), BootstrapRole())
+
+        nursery.start_soon(boot_later)
+        with trio.fail_after(30):
+            assert await join_bootstrap(me, [info_from_p2p_addr(boot_addr)], timeout=20) == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_node_listed_in_its_own_bootstrap_list_is_a_bootstrap_node(tmp_path):
+    """Its own entry (by peer id, or by its listen address) is not dialled, and marks it as one that starts alone
+    (run_node); other entries are dialled."""
+    other = peer_id_of(load_or_create_key(tmp_path / "other.key"))
+    elsewhere = Multiaddr(f"/ip4/127.0.0.1/tcp/{closed_port()}/p2p/{other}")
+    async with open_swarm(load_or_create_key(tmp_path / "me.key"), LOOPBACK) as me:
+        mine = me.addrs()[0]
+        by_address = Multiaddr(str(mine).split("/p2p/")[0] + f"/p2p/{other}")
+        by_id = Multiaddr(f"/ip4/10.9.9.9/tcp/4001/p2p/{me.peer_id}")
+        assert bootstrap_peers(me, (elsewhere,)) == ([info_from_p2p_addr(elsewhere)], False)
+        for own in (mine, by_address, by_id):
+            others, listed = bootstrap_peers(me, (own, elsewhere))
+            assert listed and [i.peer_id for i in others] == [other], own
 
 
 def closed_port() -> int:
