@@ -12,7 +12,7 @@ from pathlib import Path
 import trio
 
 from node.config import ROLES, NodeConfig, parse_multiaddr, parse_peer_id, read_config_file, swarm_values
-from node.errors import UserError
+from node.errors import UserError, require_torch
 from node.identity import load_or_create_key, peer_id_of
 from node.private import load_swarm_key, write_swarm_key
 from node.settings import Settings, add_flags, build_settings, check_role, parse_tables
@@ -125,6 +125,7 @@ def build_role(config: NodeConfig, settings: Settings):
 
         return BootstrapRole()
     if config.role == "trainer":
+        require_torch("the trainer")
         from node.roles.trainer import TrainerRole
 
         if config.trainer_id is not None and config.trainer_id != me:
@@ -133,11 +134,13 @@ def build_role(config: NodeConfig, settings: Settings):
                 "use the trainer's key (--key) or fix swarm.trainer"
             )
         return TrainerRole(config, settings)
-    from node.engines import engine_factory
+    from node.engines import auto_engine, engine_factory
     from node.roles.sampler import SamplerRole
 
     if config.trainer_id is None:
         raise UserError("a sampler needs the trusted trainer peer id: set swarm.trainer in bootstrap.toml or --trainer")
+    if settings.sampler.engine == "torch" or (settings.sampler.engine == "auto" and auto_engine() == "torch"):
+        require_torch(f"the torch sampling engine (--engine {settings.sampler.engine})", ", or use --engine mlx")
     return SamplerRole(config, settings, engine_factory(settings.sampler.engine, settings.sampler.bits))
 
 
@@ -179,6 +182,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_build_model(args: argparse.Namespace) -> int:
+    require_torch("build-model")
     if args.random_init:
         from trainer.tiny_qwen2 import build_random_model
 

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from node.config import write_config_file
+from node.errors import require_torch
 from node.identity import load_or_create_key, peer_id_of
 from node.metrics import plot_curve, read_jsonl
 from node.status import read_status
@@ -78,6 +79,7 @@ def base_model(cache: Path) -> Path:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    require_torch("swarmrl demo (it runs a trainer)")
     out: Path = args.out
     if out.exists():
         shutil.rmtree(out)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -60,6 +62,59 @@ def test_a_flag_of_another_role_is_an_error_naming_the_role(tmp_path):
     r = run_cli("node", "--role", "sampler", "--model", "m", "--task", "add", "--data-dir", str(tmp_path), cwd=tmp_path)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "--task (trainer), --model (trainer): flags of other roles, which a --role sampler node" in r.stderr
+
+
+NO_TORCH = "import sys; sys.modules['torch'] = None; from node.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def run_without_torch(*args: str, cwd) -> subprocess.CompletedProcess:
+    """The CLI in a process where `import torch` fails, as on a sampler-only install."""
+    return subprocess.run([sys.executable, "-P", "-c", NO_TORCH, *args], cwd=cwd, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize(
+    ("argv", "what"),
+    [
+        (["node", "--role", "trainer"], "the trainer needs torch"),
+        (["node", "--role", "sampler", "--engine", "torch"], "the torch sampling engine (--engine torch) needs torch"),
+        (["demo", "--out", "runs/demo"], "swarmrl demo (it runs a trainer) needs torch"),
+        (["build-model", "m"], "build-model needs torch"),
+    ],
+)
+def test_without_torch_the_trainer_says_which_extra_to_install(tmp_path, argv, what):
+    """Issue 24: torch is the `trainer` extra; a sampler-only install gets a clear error instead of a traceback."""
+    trainer = peer_id_of(load_or_create_key(tmp_path / "t.key"))
+    node_args = ["--data-dir", str(tmp_path / "d"), "--trainer", str(trainer)] if argv[0] == "node" else []
+    r = run_without_torch(*argv, *node_args, cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert f"{what}, which is not installed: pip install 'swarmrl[trainer]'" in r.stderr
+
+
+def test_a_sampler_with_mlx_needs_no_torch(tmp_path, tiny_model_dir):
+    """What a Mac that only samples installs (`pip install swarmrl`): the sampler role and the MLX engine, no torch."""
+    code = f"""
+import sys
+sys.modules["torch"] = None
+import argparse
+from pathlib import Path
+from node.cli import add_node_args, build_config, build_role, load_settings
+from node.engines import make_engine
+p = argparse.ArgumentParser()
+add_node_args(p)
+args = p.parse_args(["--role", "sampler", "--engine", "mlx", "--bits", "4", "--trainer", {str(trainer_of(tmp_path))!r},
+                     "--data-dir", {str(tmp_path / "d")!r}])
+role = build_role(build_config(args), load_settings(args))
+engine = make_engine("mlx", Path({str(tiny_model_dir)!r}), bits=4)
+out = engine.generate([[1, 2, 3]], temperature=1.0, top_p=1.0, max_tokens=3, seed=0)
+assert len(out) == 1 and out[0].completion_ids, out
+assert "torch" not in sys.modules or sys.modules["torch"] is None
+"""
+    r = subprocess.run([sys.executable, "-P", "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def trainer_of(root) -> str:
+    return str(peer_id_of(load_or_create_key(root / "t.key")))
 
 
 @pytest.mark.slow

@@ -4,6 +4,8 @@ through tests/helpers.py."""
 from __future__ import annotations
 
 import ast
+import re
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,3 +40,14 @@ def test_bench_imports_no_test_code():
 
 def test_tests_share_code_only_through_helpers():
     assert offenders("tests", lambda m: m.startswith("tests.") and m != "tests.helpers") == []
+
+
+def test_torch_is_the_trainer_extra():
+    """Issue 24: a Mac that only samples installs plain `swarmrl` (MLX, no torch); `swarmrl[trainer]` adds torch,
+    and the README's `.[dev]` still installs everything."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    name = re.compile(r"[A-Za-z0-9_.-]+")
+    core = {name.match(d).group() for d in project["dependencies"]}
+    extras = project["optional-dependencies"]
+    assert "torch" not in core and "mlx-lm" in core
+    assert "torch==2.13.0" in extras["trainer"] and "swarmrl[trainer]" in extras["dev"]
