@@ -141,7 +141,8 @@ def build_role(config: NodeConfig, settings: Settings):
         raise UserError("a sampler needs the trusted trainer peer id: set swarm.trainer in bootstrap.toml or --trainer")
     if settings.sampler.engine == "torch" or (settings.sampler.engine == "auto" and auto_engine() == "torch"):
         require_torch(f"the torch sampling engine (--engine {settings.sampler.engine})", ", or use --engine mlx")
-    return SamplerRole(config, settings, engine_factory(settings.sampler.engine, settings.sampler.bits))
+    sampler = settings.sampler
+    return SamplerRole(config, settings, engine_factory(sampler.engine, sampler.bits, sampler.compute))
 
 
 def cmd_node(args: argparse.Namespace) -> int:

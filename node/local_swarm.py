@@ -87,11 +87,17 @@ async def start_trainer(
 
 
 async def start_sampler(
-    nursery: trio.Nursery, root: Path, name: str, boot: Running, engine: str = "mlx", bits: str = "8"
+    nursery: trio.Nursery,
+    root: Path,
+    name: str,
+    boot: Running,
+    engine: str = "mlx",
+    bits: str = "8",
+    compute: str = "auto",
 ) -> Running:
     cfg = node_config(root, name, "sampler", bootstrap=(boot.swarm.addrs()[0],), trainer_id=trainer_peer_id(root))
-    s = settings(sampler={"engine": engine, "bits": bits})
-    return await start(nursery, cfg, SamplerRole(cfg, s, engine_factory(engine, bits)))
+    s = settings(sampler={"engine": engine, "bits": bits, "compute": compute})
+    return await start(nursery, cfg, SamplerRole(cfg, s, engine_factory(engine, bits, compute)))
 
 
 async def wait_until(predicate: Any, timeout: float, interval: float = 0.2, what: str = "condition") -> None:

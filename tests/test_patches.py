@@ -355,8 +355,9 @@ def test_a_restarted_publisher_patches_against_its_last_version_or_anchors(bf16_
 
 
 # -- engines --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("engine", ["torch", "mlx8", "mlx4", "mlxnone"])
+@pytest.mark.parametrize("engine", ["torch", "torch-bf16", "mlx8", "mlx4", "mlxnone", "mlx8-fp16", "mlx8-fp32"])
 def test_engines_update_in_place_exactly_as_a_full_reload(bf16_trainer, engine):
+    """Every engine and compute dtype (a bf16 version computed in fp16 or fp32 is cast on load and on update)."""
     from node.engines import install, make_engine
 
     t = bf16_trainer()
@@ -364,9 +365,11 @@ def test_engines_update_in_place_exactly_as_a_full_reload(bf16_trainer, engine):
     node = ChunkStore(t.root / "node")
     t.give(node, 0, "full")
     d0 = node.assemble(t.metas[0][2])
-    name = "torch" if engine == "torch" else "mlx"
-    bits = {"mlx8": 8, "mlx4": 4, "mlxnone": None}.get(engine)
-    live = make_engine(name, d0, bits=bits, version=0)
+    name = "torch" if engine.startswith("torch") else "mlx"
+    bits = 8 if engine.startswith("mlx8") else {"mlx4": 4}.get(engine)
+    compute = engine.split("-")[1] if "-" in engine else "auto"
+    live = make_engine(name, d0, bits=bits, version=0, compute=compute)
+    assert compute == "auto" or live.compute == compute
     changes = None
     for v in (1, 2):
         m = t.publish(v, 2e-4)
@@ -375,7 +378,7 @@ def test_engines_update_in_place_exactly_as_a_full_reload(bf16_trainer, engine):
         assert more.base == v - 1 and more.count() > 0
         changes = more
         assert install(live, out, v, changes) == "updated"
-    fresh = make_engine(name, out, bits=bits, version=2)
+    fresh = make_engine(name, out, bits=bits, version=2, compute=compute)
     if name == "torch":
         for (k, a), b in zip(live.model.state_dict().items(), fresh.model.state_dict().values(), strict=True):
             assert torch.equal(a, b), k

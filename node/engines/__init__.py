@@ -29,25 +29,27 @@ def auto_engine(platform: str = sys.platform) -> str:
     return "mlx" if platform == "darwin" and mlx_available() else "torch"
 
 
-def make_engine(name: str, model_dir: Path, bits: int | None = 8, version: int = 0) -> Engine:
-    """Build an engine by name ('auto': see ``auto_engine``)."""
+def make_engine(name: str, model_dir: Path, bits: int | None = 8, version: int = 0, compute: str = "auto") -> Engine:
+    """Build an engine by name ('auto': see ``auto_engine``); ``compute`` is the dtype it computes in ('auto': MLX
+    keeps the version's dtype, as Metal's fast path does; torch computes in fp32). The torch engine does not
+    quantize: ``bits`` applies to MLX only."""
     if name == "auto":
         name = auto_engine()
     if name == "mlx":
         from node.engines.mlx_engine import MlxEngine
 
-        return MlxEngine(model_dir, bits=bits, version=version)
+        return MlxEngine(model_dir, bits=bits, version=version, compute=compute)
     if name == "torch":
         from node.engines.torch_engine import TorchEngine
 
-        return TorchEngine(model_dir, version=version)
+        return TorchEngine(model_dir, version=version, compute=compute)
     raise UserError(f"unknown engine {name!r}: use mlx, torch or auto")
 
 
-def engine_factory(name: str, bits: str) -> Callable[[Path, int], Engine]:
+def engine_factory(name: str, bits: str, compute: str = "auto") -> Callable[[Path, int], Engine]:
     """A sampler's engine maker from its settings: (model dir, version) -> engine."""
     quant_bits = None if bits == "none" else int(bits)
-    return lambda path, version: make_engine(name, path, bits=quant_bits, version=version)
+    return lambda path, version: make_engine(name, path, bits=quant_bits, version=version, compute=compute)
 
 
 def install(engine: Engine, model_dir: Path, version: int, changes=None) -> str:

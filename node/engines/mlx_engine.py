@@ -28,6 +28,9 @@ from trainer.model_dir import inspect_model_dir
 
 QUANT_NAMES = {None: "none", 8: "q8", 4: "q4"}
 MX_DTYPES = {"BF16": mx.bfloat16, "F32": mx.float32, "F16": mx.float16}
+# what a sampler computes in: "auto" keeps the version's dtype (a bf16 version runs in bf16, as on Metal)
+COMPUTE_DTYPES = {"fp32": mx.float32, "bf16": mx.bfloat16, "fp16": mx.float16}
+COMPUTE_NAMES = {v: k for k, v in COMPUTE_DTYPES.items()}
 PREFILL_STEP = 2048  # prompt tokens per forward pass while prefilling
 BATCH_SIZE = 64  # sequences decoded together (a GRPO group is one batch)
 
@@ -42,15 +45,18 @@ class MlxEngine:
         group_size: int = 64,
         version: int = 0,
         batch_size: int = BATCH_SIZE,
+        compute: str = "auto",
     ) -> None:
         self.batch_size = batch_size
         if bits not in QUANT_NAMES:
             raise UserError(f"unsupported quantization bits {bits!r}: use 8, 4 or none")
+        if compute != "auto" and compute not in COMPUTE_DTYPES:
+            raise UserError(f"unsupported compute dtype {compute!r}: use auto, {', '.join(COMPUTE_DTYPES)}")
         info = inspect_model_dir(model_dir)
         self._thread = ComputeThread("mlx-engine")
-        self._thread.call(self._init, info, model_dir, bits, group_size, version)
+        self._thread.call(self._init, info, model_dir, bits, group_size, version, compute)
 
-    def _init(self, info, model_dir: Path, bits: int | None, group_size: int, version: int) -> None:
+    def _init(self, info, model_dir: Path, bits: int | None, group_size: int, version: int, compute: str) -> None:
         self._stream = mx.new_stream(mx.default_device())  # one stream, owned by this engine's thread
         # draws in float64 where the device has it (CPU): closest to the trainer's float64 replay
         on_cpu = self._stream.device.type == mx.DeviceType.cpu
@@ -64,6 +70,12 @@ class MlxEngine:
             self.model, _ = load_model(Path(model_dir), model_config=overrides)
         except Exception as exc:
             raise UserError(f"mlx-lm could not load {model_dir}: {exc}") from None
+        floats = [v.dtype for _, v in tree_flatten(self.model.parameters()) if mx.issubdtype(v.dtype, mx.floating)]
+        self.dtype = COMPUTE_DTYPES[compute] if compute != "auto" else (floats[0] if floats else mx.float32)
+        if self.dtype not in COMPUTE_NAMES:
+            raise UserError(f"{model_dir}: weights of dtype {self.dtype} (use a bf16, fp16 or fp32 version)")
+        self.model.set_dtype(self.dtype)
+        self.compute = COMPUTE_NAMES[self.dtype]  # what the rollouts declare
         if bits is not None:
             nn.quantize(self.model, group_size=group_size, bits=bits)
         self.version = version
@@ -87,6 +99,7 @@ class MlxEngine:
         quantized = self._quantized_paths()
         out: list[tuple[str, mx.array]] = []
         for name, w in weights.items():
+            w = w.astype(self.dtype) if mx.issubdtype(w.dtype, mx.floating) else w
             base = name[: -len(".weight")] if name.endswith(".weight") else None
             if base is not None and base in quantized:
                 q, scales, biases = mx.quantize(w, group_size=self.group_size, bits=self.bits)
@@ -123,10 +136,10 @@ class MlxEngine:
             base = name[: -len(".weight")] if name.endswith(".weight") else None
             if base is not None and base in quantized:
                 out += self._requantize(base, dtype, arr, idx, params)
-            elif name in params and params[name].size == arr.size and params[name].dtype == MX_DTYPES[dtype]:
+            elif name in params and params[name].size == arr.size and params[name].dtype == self.dtype:
                 p = params[name]
                 flat = p.reshape(-1)
-                flat[mx.array(idx)] = to_mx(arr.reshape(-1)[idx], dtype)
+                flat[mx.array(idx)] = to_mx(arr.reshape(-1)[idx], dtype).astype(self.dtype)
                 out.append((name, flat.reshape(p.shape)))
             else:
                 raise NotUpdatable(f"{name} does not match the running model")
@@ -142,7 +155,8 @@ class MlxEngine:
         if arr.ndim != 2 or arr.shape[1] % gs or biases is None or scales.shape != (arr.shape[0], arr.shape[1] // gs):
             raise NotUpdatable(f"{base} is not quantized the way this engine quantizes")
         groups = np.unique(idx // gs)
-        q, s, b = mx.quantize(to_mx(arr.reshape(-1, gs)[groups], dtype), group_size=gs, bits=self.bits)
+        rows = to_mx(arr.reshape(-1, gs)[groups], dtype).astype(self.dtype)
+        q, s, b = mx.quantize(rows, group_size=gs, bits=self.bits)
         if s.dtype != scales.dtype:
             raise NotUpdatable(f"{base}: the new weights quantize to {s.dtype}, the running ones are {scales.dtype}")
         at = mx.array(groups)

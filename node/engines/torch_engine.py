@@ -20,18 +20,24 @@ from trainer.draws import draw_tokens
 from trainer.model_dir import inspect_model_dir
 
 BATCH_SIZE = 64  # sequences decoded together (a GRPO group is one batch)
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 class TorchEngine:
     name = "torch"
-    quant = "torch"
+    quant = "none"
 
-    def __init__(self, model_dir: Path, version: int = 0, batch_size: int = BATCH_SIZE) -> None:
+    def __init__(self, model_dir: Path, version: int = 0, batch_size: int = BATCH_SIZE, compute: str = "fp32") -> None:
+        """``compute``: fp32 (the default, "auto" too: exact on bf16 and fp32 versions alike) or bf16."""
+        compute = "fp32" if compute == "auto" else compute
+        if compute not in COMPUTE_DTYPES:
+            raise UserError(f"the torch engine computes in {' or '.join(COMPUTE_DTYPES)}, not {compute!r}")
+        self.compute = compute
         info = inspect_model_dir(model_dir)
         self.eos_ids = info.eos_ids
         self.batch_size = batch_size
         try:
-            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=COMPUTE_DTYPES[compute]).eval()
         except Exception as exc:
             raise UserError(f"transformers could not load {model_dir}: {exc}") from None
         self.version = version
