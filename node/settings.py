@@ -73,6 +73,16 @@ class SamplerSettings:
             else None
         ),
     )
+    compute: str = knob(
+        "auto",
+        "dtype the engine computes in (auto: MLX keeps the version's dtype, as Metal's fast path does; torch fp32)",
+        choices=("auto", "fp32", "bf16", "fp16"),
+        moot=lambda s: (
+            "the torch engine computes in fp32 or bf16 (use --engine mlx for fp16)"
+            if s.engine == "torch" and s.compute == "fp16"
+            else None
+        ),
+    )
     groups_per_request: int = knob(4, "groups asked for in one work request")
     submit_attempts: int = knob(5, "tries to deliver a group when the trainer cannot be reached")
     rate_limit_patience: float = knob(120.0, "seconds a group may wait on rate-limit refusals before it is dropped")
