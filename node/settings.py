@@ -51,6 +51,11 @@ class TrainerSettings:
     work_rate: float = knob(2.0, "leases/s one peer may ask for")
     work_burst: float = knob(8.0, "lease token bucket size")
     max_strikes: int = knob(3, "forged groups before a peer is banned")
+    accept_quant: str = knob(
+        "none,q8",
+        "sampler weight quantizations trained on, comma-separated (none, q8, q4): int4 noise is too wide to verify "
+        "tightly, so q4 is off unless named",
+    )
     max_open_leases: int = knob(4, "leases one peer may hold before it must return groups")
     newcomer_rate: float = knob(4.0, "groups/s shared by all peers without an accepted record (Sybil bound)")
     trusted_after: int = knob(4, "accepted groups after which a peer stops drawing from the newcomer budget")

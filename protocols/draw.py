@@ -78,6 +78,9 @@ class TokenDraw(NamedTuple):
     # (margin, lo, hi): the token's interval under a nucleus that differs at its boundary (top_p < 1 only); the
     # margin is the log-odds (or log-ratio) error a sampler needs for its nucleus to differ that way
     alts: tuple[tuple[float, float, float], ...] = ()
+    # sum over the row's CDF boundaries of C(1 - C): a boundary moves by C(1 - C) times a log-odds error, so an
+    # honest sampler whose boundaries are off by e log-odds on average flips this token with probability ~e * this
+    exposure: float = 0.0
 
 
 # -- the uniform -----------------------------------------------------------------------------------------

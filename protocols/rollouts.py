@@ -17,7 +17,9 @@ from protocols.work import MAX_GROUP_SIZE, MAX_NEW_TOKENS, MAX_PROMPT_TOKENS, MA
 PROTOCOL_ID = "/swarmrl/rollout/1.0.0"
 MAX_FRAME = 8 << 20
 MAX_ACK_FRAME = 1 << 20
-QUANT_MODES = ("none", "q8", "q4", "torch")
+QUANT_MODES = ("none", "q8", "q4")  # weight quantization
+ENGINES = ("mlx", "torch")
+COMPUTE_DTYPES = ("fp32", "bf16", "fp16")  # what the sampler's forward pass computes in
 
 
 def frame_limit(group_size: int, max_tokens: int) -> int:
@@ -82,6 +84,10 @@ class RolloutGroup:
     quant: str
     samples: list[Sample]
     draw: str | None = None  # the sampling rule the tokens were drawn by (protocols/draw.py RULE); None: unknown
+    # the sampler's engine and compute dtype: with ``quant`` its declared mode, whose noise the trainer's limits
+    # allow for (node/intake/noise.py); the trainer binds a peer to the mode it declared first
+    engine: str = "torch"
+    compute: str = "fp32"
 
     def to_wire(self) -> dict[str, Any]:
         extra = {} if self.draw is None else {"draw": self.draw}
@@ -99,6 +105,8 @@ class RolloutGroup:
             "temperature": self.temperature,
             "top_p": self.top_p,
             "quant": self.quant,
+            "engine": self.engine,
+            "compute": self.compute,
             "samples": [x.to_wire() for x in self.samples],
         }
 
@@ -109,6 +117,11 @@ class RolloutGroup:
         quant = s.text(m, "quant", 16)
         if quant not in QUANT_MODES:
             raise s.SchemaError(f"unknown quant mode {quant!r}")
+        engine, compute = s.text(m, "engine", 16), s.text(m, "compute", 16)
+        if engine not in ENGINES:
+            raise s.SchemaError(f"unknown engine {engine!r}")
+        if compute not in COMPUTE_DTYPES:
+            raise s.SchemaError(f"unknown compute dtype {compute!r}")
         samples = [Sample.from_wire(x if isinstance(x, dict) else {}) for x in raw_samples]
         if len({x.rollout_id for x in samples}) != len(samples):
             raise s.SchemaError("rollout ids repeat inside one group")
@@ -125,6 +138,8 @@ class RolloutGroup:
             quant=quant,
             samples=samples,
             draw=s.text(m, "draw", 32) if "draw" in m else None,
+            engine=engine,
+            compute=compute,
         )
 
 

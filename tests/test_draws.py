@@ -11,7 +11,8 @@ import torch
 
 from node.engines import make_engine
 from node.engines.mlx_engine import mlx_draw
-from node.intake.draws import DEFAULT_DRAW_LIMITS, Tolerance, check_draws, check_group_draws
+from node.intake.draws import Tolerance, assess_group, check_draws
+from node.intake.noise import EPSILON, FlipHistory, Mode, sequential_check
 from protocols.draw import TokenDraw, cdf, draw_uniform, draw_uniforms, nucleus_mask, reference_draw
 from trainer.draws import completion_draws, draw_tokens, token_draws
 from trainer.model import load_model
@@ -166,29 +167,32 @@ def test_fp32_mlx_and_torch_sample_the_same_completions(tiny_model_dir):
     assert [g.completion_ids for g in other] != [g.completion_ids for g in torch_gens]
 
 
-@pytest.mark.parametrize(("engine", "bits", "quant"), [("mlx", 8, "q8"), ("mlx", 4, "q4"), ("torch", None, "torch")])
+@pytest.mark.parametrize(("engine", "bits"), [("mlx", 8), ("mlx", 4), ("torch", None)])
 @pytest.mark.parametrize("top_p", [1.0, 0.9])
-def test_honest_samplers_pass_and_injectors_are_caught(tiny_model_dir, trainer_model, engine, bits, quant, top_p):
+def test_honest_samplers_pass_and_injectors_are_caught(tiny_model_dir, trainer_model, engine, bits, top_p):
     e = make_engine(engine, tiny_model_dir, bits=bits)
+    mode = Mode(e.name, e.compute, e.quant)
     seed = 31337
     gens = e.generate([PROMPT] * 8, temperature=1.0, top_p=top_p, max_tokens=8, seed=seed)
     comps = [g.completion_ids for g in gens]
     draws = completion_draws(trainer_model, [PROMPT] * 8, comps, 1.0, top_p)
-    honest = check_group_draws(draws, seed, quant, top_p)
+    honest = assess_group(draws, [g.logprobs for g in gens], seed, mode, 1.0, top_p)
     assert honest.ok, honest.reason()
-    for g, row in zip(gens, draws, strict=True):  # the replay's logprobs are the sampler's, within its noise
-        assert np.abs(np.array(g.logprobs) - [d.logprob for d in row]).max() < 0.5
     injected = [ANSWER if k % 2 == 0 else c for k, c in enumerate(comps)]
-    forged = check_group_draws(completion_draws(trainer_model, [PROMPT] * 8, injected, 1.0, top_p), seed, quant, top_p)
-    assert not forged.ok and forged.forged
-    assert {d.sample for d in forged.forged} <= {0, 2, 4, 6}
-
-
-def test_limits_cover_every_quant_mode():
-    assert set(DEFAULT_DRAW_LIMITS) == {"none", "q8", "q4", "torch"}
-    for lim in DEFAULT_DRAW_LIMITS.values():
-        assert 0 < lim.tolerance.log_odds <= lim.tolerance_nucleus.log_odds <= 4
-        assert lim.budget_for(64) <= lim.budget_for(64, top_p=0.9)
+    forged_draws = completion_draws(trainer_model, [PROMPT] * 8, injected, 1.0, top_p)
+    # honest logprobs for the injected tokens, the sampler's own for the rest (exact ones for every sample would get
+    # the whole group checked as fp32, the honest q4 samples' flips included)
+    claimed = [
+        [d.logprob for d in row] if k % 2 == 0 else g.logprobs
+        for k, (row, g) in enumerate(zip(forged_draws, gens, strict=True))
+    ]
+    forged = assess_group(forged_draws, claimed, seed, mode, 1.0, top_p)
+    if forged.ok:  # int4's tolerance is wide enough to admit each injected token; not so many rare flips at once
+        assert mode.quant == "q4"
+        _, p = sequential_check(FlipHistory(), forged.tails, forged.limits.expected)
+        assert p < EPSILON
+    else:
+        assert {d.sample for d in forged.draws.forged} <= {0, 2, 4, 6}
 
 
 @pytest.mark.parametrize(("engine", "bits"), [("mlx", None), ("torch", None)])

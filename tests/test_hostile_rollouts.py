@@ -135,7 +135,7 @@ async def test_forged_rollouts_are_rejected_and_offenders_banned(trainer_and_cli
             spec.prompt_ids,
             sp.temperature,
             sp.top_p,
-            "torch",
+            "none",
             [Sample(f"{gid}/{k}", g.completion_ids, g.logprobs, g.finish_reason) for k, g in enumerate(gens)],
             DRAW_RULE,
         )
@@ -378,7 +378,7 @@ async def test_a_sampler_that_chooses_its_tokens_is_caught_on_its_first_group(tr
                 spec.prompt_ids,
                 sp.temperature,
                 sp.top_p,
-                "torch",
+                "none",
                 samples,
                 DRAW_RULE,
             )

@@ -270,3 +270,44 @@ async def test_stale_groups_and_abandoned_leases_never_lock_an_honest_peer_out(t
     monkeypatch.setattr(leases_module.time, "monotonic", lambda: now + intake.leases.ttl + 1)
     intake.admit_work("alice")
     assert intake.leases.get(lease.lease_id) is not None
+
+
+async def test_modes_are_chosen_by_the_trainer_and_bound_to_the_peer(tmp_path):
+    """int4 rollouts are refused without blame unless the trainer accepts them; a peer keeps the mode it declared
+    first (a switch is refused, not struck); every refusal names the reason."""
+    intake = make_intake(tmp_path)
+    lease = intake.lease(WorkRequest(4), "alice", version=0)
+    q4 = group_for(intake, "alice", lease.tasks[0], lease, ["1", "2"])
+    q4.update(quant="q4", engine="mlx", compute="bf16")
+    reason = (await intake.submit(q4, "alice", 0)).rejected[0][1]
+    assert "does not train on q4" in reason and not intake.strikes.counts
+    first = group_for(intake, "alice", lease.tasks[1], lease, ["1", "2"])
+    first.update(quant="q8", engine="mlx", compute="bf16")
+    assert (await intake.submit(first, "alice", 0)).accepted
+    switched = group_for(intake, "alice", lease.tasks[2], lease, ["1", "2"])
+    switched.update(quant="none", engine="torch", compute="fp32")
+    reason = (await intake.submit(switched, "alice", 0)).rejected[0][1]
+    assert "declared mlx/bf16/q8 first" in reason and not intake.strikes.counts
+    lenient = make_intake(tmp_path / "lenient", accept_quant="none,q8,q4")
+    lease = lenient.lease(WorkRequest(1), "bob", version=0)
+    q4 = group_for(lenient, "bob", lease.tasks[0], lease, ["1", "2"])
+    q4.update(quant="q4", engine="mlx", compute="fp32")
+    assert (await lenient.submit(q4, "bob", 0)).accepted
+
+
+async def test_a_completion_cut_short_is_forged(tmp_path):
+    """A completion that ends neither with its stop token nor at max_tokens was cut by the sampler, not drawn:
+    with a numeric reward, stopping early is a way to choose the answer."""
+    intake = make_intake(tmp_path)
+    lease = intake.lease(WorkRequest(2), "mallory", version=0)
+    group = group_for(intake, "mallory", lease.tasks[0], lease, ["12", "3"])
+    sample = group["samples"][0]
+    sample["completion_ids"], sample["logprobs"] = sample["completion_ids"][:-1], sample["logprobs"][:-1]
+    sample["finish_reason"] = "length"
+    reason = (await intake.submit(group, "mallory", 0)).rejected[0][1]
+    assert "cut short" in reason and intake.strikes.counts == {"mallory": 1}
+    full = group_for(intake, "mallory", lease.tasks[1], lease, ["1234567", "3"])
+    sample = full["samples"][0]  # 8 tokens without the stop token: at max_tokens, an honest "length" finish
+    sample["completion_ids"] = [*sample["completion_ids"][:-1], 10]
+    sample["finish_reason"] = "length"
+    assert (await intake.submit(full, "mallory", 0)).accepted

@@ -74,6 +74,50 @@ async def test_llama_bpe_chat_dataset_bf16_trainer_mlx_int8_sampler(tmp_path, ll
     mlx_lm.load(str(version_dir))
 
 
+@pytest.mark.slow
+async def test_honest_mac_samplers_are_never_struck_on_a_trained_model(tmp_path, realistic_model_dir):
+    """Issue 24: on a trained (peaked) model an honest MLX int8 sampler computing in bf16, as a Mac does on a bf16
+    version, was banned as a forger. Here the trainer publishes bf16 and scores in fp32 (the tight path); MLX int8
+    samplers compute in bf16 and in fp16, beside a torch fp32 one: every group they send is accepted, no strike."""
+    from trainer.realistic_model import DATASET
+
+    async with trio.open_nursery() as nursery:
+        boot = await start_bootstrap(nursery, tmp_path)
+        trainer = await start_trainer(
+            nursery,
+            tmp_path,
+            boot,
+            realistic_model_dir,
+            task=f"jsonl:{realistic_model_dir / DATASET}",
+            reward="numeric",
+            chat_template=True,
+            publish_dtype="bf16",
+            device="cpu",
+            group_size=8,
+            batch_groups=4,
+            max_tokens=16,
+            max_steps=4,
+            eval_every=100,
+            eval_size=8,
+            linger=30.0,
+        )
+        samplers = [
+            await start_sampler(nursery, tmp_path, "mac-bf16", boot, engine="mlx", bits="8", compute="auto"),
+            await start_sampler(nursery, tmp_path, "mac-fp16", boot, engine="mlx", bits="8", compute="fp16"),
+            await start_sampler(nursery, tmp_path, "linux", boot, engine="torch", bits="none"),
+        ]
+        role = trainer.role
+        await wait_until(lambda: role.finished.is_set(), 600, what="4 training steps on the trained Llama")
+        intake = role.intake
+        assert intake.forged == 0 and not intake.strikes.counts, intake.verifier.last_limits
+        modes = {str(m) for m in intake.verifier.modes.values()}
+        assert {"mlx/bf16/q8", "mlx/fp16/q8", "torch/fp32/none"} <= modes, modes
+        for s in samplers:
+            status = s.role.status()
+            assert status["strikes"] == 0 and status["rollouts_accepted"] > 0, (s.role.mode(), status["last_error"])
+        nursery.cancel_scope.cancel()
+
+
 def test_a_model_dir_without_tokenizer_files_says_so(tmp_path, llama_dir):
     """Issue 24: transformers said "You need to have sentencepiece or tiktoken installed" (a Qwen2 silently got a
     one-token tokenizer); the error names the directory and the files it lacks."""

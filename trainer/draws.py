@@ -161,10 +161,19 @@ def _token_draws(logits: torch.Tensor, toks: torch.Tensor, temperature: float, t
         sums = _Sums(c[:, -1], torch.where(toks > 0, prev, torch.zeros_like(prev)), c.gather(-1, toks[:, None])[:, 0])
         lo, hi = sums.interval()
         alts = [[] for _ in range(len(toks))] if nuc is None else _alternatives(p, toks, nuc, sums, top_p)
+        exposure = boundary_exposure(c)
         return [
-            TokenDraw(lp, a, b, tuple(alt))
-            for lp, a, b, alt in zip(logp.tolist(), lo.tolist(), hi.tolist(), alts, strict=True)
+            TokenDraw(lp, a, b, tuple(alt), x)
+            for lp, a, b, alt, x in zip(logp.tolist(), lo.tolist(), hi.tolist(), alts, exposure.tolist(), strict=True)
         ]
+
+
+def boundary_exposure(cumulative: torch.Tensor) -> torch.Tensor:
+    """Per row, the sum of C(1 - C) over the CDF boundaries (``cumulative``: unnormalised kept-mass cumsums): how
+    likely a draw is to land between a boundary and where an honest sampler's arithmetic put it, per log-odds of
+    error (protocols/draw.py ``TokenDraw.exposure``)."""
+    c = (cumulative / cumulative[:, -1:]).clamp(0.0, 1.0)
+    return (c * (1.0 - c)).sum(-1)
 
 
 def _alternatives(

@@ -20,6 +20,7 @@ from typing import Any
 
 import trio
 
+from node.errors import UserError
 from node.intake.buffer import RolloutBuffer, take_batch
 from node.intake.journal import RolloutJournal
 from node.intake.leases import LeaseBook
@@ -30,7 +31,7 @@ from node.rpc import Busy
 from node.settings import TrainerSettings
 from node.strikes import Strikes
 from protocols.errors import ProtocolError
-from protocols.rollouts import RolloutAck, RolloutGroup
+from protocols.rollouts import QUANT_MODES, RolloutAck, RolloutGroup
 from protocols.work import SamplingParams, WorkLease, WorkRequest
 from trainer.groups import Group
 from trainer.tasks import Task
@@ -55,12 +56,21 @@ class RolloutIntake:
         score: ScoreFn,
         journal_dir: Path,
         settings: TrainerSettings,
+        scorer_floor: str | None = None,
     ) -> None:
+        """``scorer_floor``: the noise class of the trainer's own scoring arithmetic when it is not fp32 (a bf16
+        scorer: "none/bf16"), which every sampler's limits must then allow for too."""
         s = settings
         self.settings = settings
         sampling = SamplingParams(s.temperature, s.top_p, s.max_tokens)
         self.leases = LeaseBook(task, encode_prompt, s.group_size, sampling, s.lease_ttl, max_staleness=s.max_staleness)
-        self.verifier = RolloutVerifier(task, self.leases, score, completion_text, eos_ids, s.max_staleness)
+        accept = tuple(q.strip() for q in s.accept_quant.split(",") if q.strip())
+        unknown = [q for q in accept if q not in QUANT_MODES]
+        if unknown or not accept:
+            raise UserError(f"--accept-quant {s.accept_quant!r}: name one or more of {', '.join(QUANT_MODES)}")
+        self.verifier = RolloutVerifier(
+            task, self.leases, score, completion_text, eos_ids, s.max_staleness, accept, scorer_floor, MAX_PEERS_TRACKED
+        )
         self.strikes = Strikes(s.max_strikes)
         self.work_limit = PeerRateLimiter(s.work_rate, s.work_burst)
         self.rollout_limit = PeerRateLimiter(s.rollout_rate, s.rollout_burst)
@@ -239,5 +249,6 @@ class RolloutIntake:
             "groups_rejected": self.rejected,
             "groups_forged": self.forged,
             "banned": len(self.strikes.banned),
+            "peers_struck": len(self.strikes.counts),
             "rate_limited": sum(self.rollout_limit.refused.values()) + sum(self.work_limit.refused.values()),
         }

@@ -12,18 +12,27 @@ A token chosen by anything but the draw (an injected answer) has u anywhere in [
 own interval, widened by the tolerance, happens to hold u; the budget bounds how many such lucky tokens one group
 can carry.
 
-Limits per sampler quantization come from measurement (bench/draws.py): the distances of honest flips of MLX
-fp32/bf16/int8/int4 and torch samplers against the trainer's float64 replay, with margin.
+The tolerance and budget of each group come from the noise model of node/intake/noise.py (``assess_group``): the
+sampler's mode, the group's exposure to flips, its temperature, and the noise its logprobs show.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from node.intake.noise import (
+    GroupLimits,
+    Mode,
+    effective_class,
+    floor_class,
+    group_limits,
+    measured_noise,
+    noise_class,
+    noise_scale,
+)
 from protocols.draw import TokenDraw, draw_uniforms, interval_distance, log_odds_distance
 
 
@@ -38,54 +47,6 @@ class Tolerance:
 
     def admits(self, distance: float, log_odds: float) -> bool:
         return log_odds <= self.log_odds or distance <= self.absolute
-
-
-@dataclass(frozen=True)
-class DrawLimits:
-    """What honest arithmetic noise may do to one group's draws.
-
-    With top_p < 1 the sampler's and the trainer's nucleus can differ by more than the boundary alternatives cover
-    (near-equal tokens reorder) and both renormalise by their own kept mass: a looser ``tolerance_nucleus`` and
-    more flips apply there."""
-
-    tolerance: Tolerance
-    tolerance_nucleus: Tolerance
-    budget: int  # flips allowed per group, plus ...
-    per_token: float = 0.0  # ... this fraction of the group's tokens, plus ...
-    per_token_nucleus: float = 0.0  # ... this fraction when top_p < 1
-
-    def tolerance_for(self, top_p: float = 1.0) -> Tolerance:
-        return self.tolerance if top_p >= 1.0 else self.tolerance_nucleus
-
-    def budget_for(self, tokens: int, top_p: float = 1.0) -> int:
-        rate = self.per_token + (self.per_token_nucleus if top_p < 1.0 else 0.0)
-        return self.budget + math.floor(rate * tokens)
-
-
-# Set from bench/draws.py (bench/results/draws.txt): honest MLX fp32/bf16/int8/int4 and torch samplers (G=8,
-# max_tokens=8, T=1) replayed by the trainer in float64, on random-init Qwen2s (flat next-token distributions, a
-# CDF boundary every ~1/V) and the pretrained base model (peaked ones), fp32 and bf16 weights, fp32 and bf16
-# scoring; 10,000 groups per sampler on the tiny model. Largest honest flip seen, top_p=1: q8 (and fp32 on bf16)
-# 0.03 log-odds, q4 1.35 log-odds; top_p=0.9: q8 0.89 log-odds but only 0.014 absolute (several near-equal tokens
-# reorder at the nucleus boundary), q4 33 log-odds / 0.045 absolute. Most flips in one ~60-token group: q8 6
-# (top_p=1) and 14 (0.9), q4 37. Tolerances are 2-5x those, budgets ~2x. fp32 samplers on fp32 weights never
-# flipped; "none" and "torch" get q8's limits because bf16 weights or bf16 scoring make them flip like q8.
-# Unknown quant modes get q4's limits.
-_EIGHT_BIT = DrawLimits(
-    Tolerance(log_odds=0.15, absolute=1e-3),
-    Tolerance(log_odds=0.6, absolute=0.03),
-    budget=4,
-    per_token=0.1,
-    per_token_nucleus=0.3,
-)
-DEFAULT_DRAW_LIMITS: dict[str, DrawLimits] = {
-    "none": _EIGHT_BIT,
-    "torch": _EIGHT_BIT,
-    "q8": _EIGHT_BIT,
-    # int4 logits are off by up to ~3 nats: it flips too often to budget (up to 60% of a group's tokens on a flat
-    # distribution) and needs a wide tolerance, so int4 rollouts are checked far less tightly than int8 ones
-    "q4": DrawLimits(Tolerance(log_odds=3.0, absolute=0.03), Tolerance(log_odds=3.0, absolute=0.1), 8, 1.0),
-}
 
 
 @dataclass(frozen=True)
@@ -164,15 +125,81 @@ def check_draws(
     return DrawCheck(len(flat), budget, tolerance, flips, forged)
 
 
-def check_group_draws(
+@dataclass(frozen=True)
+class Assessment:
+    """A group's verdict under the noise model (node/intake/noise.py): the class applied, the limits, the logprob
+    error it showed and the draw check. ``reason`` names the limits, so an operator can report a false strike."""
+
+    mode: str
+    cls: str
+    limits: GroupLimits
+    noise: float | None  # normalised logprob noise (measured_noise)
+    logprob_mean: float
+    logprob_max: float
+    draws: DrawCheck
+    logprob_bounds: tuple[float, float]
+    tails: tuple[float, ...] = ()  # per flip, the share of honest flips as far out (NoiseClass.tail)
+
+    @property
+    def logprobs_ok(self) -> bool:
+        return self.logprob_mean <= self.logprob_bounds[0] and self.logprob_max <= self.logprob_bounds[1]
+
+    @property
+    def ok(self) -> bool:
+        return self.logprobs_ok and self.draws.ok
+
+    @property
+    def flips(self) -> int:
+        return len(self.draws.flips)
+
+    def reason(self) -> str:
+        if not self.logprobs_ok:
+            return (
+                f"claimed logprobs deviate from the trainer's (mean {self.logprob_mean:.3g}, max "
+                f"{self.logprob_max:.3g}; {self.limits.mode} allows {self.logprob_bounds[0]:g} / "
+                f"{self.logprob_bounds[1]:g})"
+            )
+        if not self.draws.ok:
+            return f"tokens were not drawn from the lease's seed: {self.draws.reason()}; {self.limits.describe()}"
+        return ""
+
+
+def assess_group(
     draws: Sequence[Sequence[TokenDraw]],
+    claimed: Sequence[Sequence[float]],
     seed: int,
-    quant: str,
-    top_p: float = 1.0,
-    limits: dict[str, DrawLimits] | None = None,
-) -> DrawCheck:
-    """``check_draws`` with the limits of the sampler's quantization mode (budget scaled by the group's tokens)."""
-    table = limits or DEFAULT_DRAW_LIMITS
-    lim = table.get(quant, table["q4"])
-    tokens = sum(len(row) for row in draws)
-    return check_draws(draws, seed, lim.tolerance_for(top_p), lim.budget_for(tokens, top_p))
+    mode: Mode,
+    temperature: float,
+    top_p: float,
+    scorer_floor: str | None = None,
+    sample_indices: Sequence[int] | None = None,
+) -> Assessment:
+    """Check one group as the trainer does: ``draws`` its replay, ``claimed`` the sampler's logprobs. The noise class
+    is the declared mode's, or none/fp32 when the logprobs are fp32-quiet (a peer cannot pick its own limits);
+    a bf16 scorer (``scorer_floor``) floors every class at its own noise."""
+    replayed = [d.logprob for row in draws for d in row]
+    flat_claimed = [c for row in claimed for c in row]
+    diffs = [abs(a - b) for a, b in zip(flat_claimed, replayed, strict=True)]
+    noise = measured_noise(flat_claimed, replayed)
+    cls_name = effective_class(mode.noise_class, noise)
+    cls = noise_class(cls_name)
+    if scorer_floor is not None:
+        cls = floor_class(cls, noise_class(scorer_floor))
+        cls_name = f"{cls_name}+{scorer_floor} scorer"
+    exposure = sum(d.exposure for row in draws for d in row)
+    scale = noise_scale(noise, cls)
+    limits = group_limits(str(mode), cls_name, cls, exposure, temperature, top_p, scale)
+    checked = check_draws(draws, seed, Tolerance(limits.log_odds, limits.absolute), limits.budget, sample_indices)
+    tail = cls.tail(top_p)
+    tails = tuple(tail.survival(d.log_odds, temperature, scale) for d in checked.flips)
+    return Assessment(
+        str(mode),
+        cls_name,
+        limits,
+        noise,
+        sum(diffs) / max(len(diffs), 1),
+        max(diffs, default=0.0),
+        checked,
+        (cls.logprob_mean, cls.logprob_max),
+        tails,
+    )

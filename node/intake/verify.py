@@ -4,10 +4,12 @@ Checks, cheapest first: the claimed sampler id is the stream's authenticated pee
 peer's, and holds this seed; the prompt equals the one the trainer builds from (task, seed); the group size
 and sampling parameters match the lease; the version is not too stale. Then rewards are recomputed (a claimed
 reward that differs is forgery) and the claimed logprobs are compared with the trainer's recomputation at the
-claimed version (``score``, given by the trainer role: the learner's), within a tolerance that depends on
-the sampler's quantization; and every token must be the one the lease's seed draws under the seeded-draw rule
-(protocols/draw.py), up to near-boundary flips that the sampler's quantization noise explains
-(node/intake/draws.py): a sampler cannot choose its tokens, only sample them. ``Forged`` means the peer lied (the
+claimed version (``score``, given by the trainer role: the learner's), and every token must be the one the
+lease's seed draws under the seeded-draw rule (protocols/draw.py), both within what the honest noise of the
+sampler's declared mode explains (node/intake/noise.py: the mode must be one the trainer accepts and the one the
+peer declared first; a peer whose logprobs are fp32-exact is held to fp32 limits whatever it declares), and the
+peer's near-boundary flips over its history must stay plausible for that noise: a sampler cannot choose its
+tokens, only sample them. ``Forged`` means the peer lied (the
 intake strikes it); ``Rejected`` is refusal without blame.
 """
 
@@ -18,8 +20,9 @@ from collections.abc import Callable
 
 import trio
 
-from node.intake.draws import DEFAULT_DRAW_LIMITS, DrawLimits, check_group_draws
+from node.intake.draws import Assessment, assess_group
 from node.intake.leases import LeaseBook
+from node.intake.noise import DEFAULT_ACCEPT, EPSILON, FlipHistory, Mode, noise_class, sequential_check
 from protocols.draw import RULE as DRAW_RULE
 from protocols.draw import TokenDraw
 from protocols.rollouts import RolloutGroup
@@ -31,28 +34,11 @@ from trainer.tasks import Task
 # longer kept. Blocking (a forward pass): called from a worker thread.
 ScoreFn = Callable[[int, list[list[int]], list[list[int]], float, float], list[list[TokenDraw]] | None]
 
-# (mean |diff|, max |diff|) allowed between claimed and recomputed per-token logprobs, by sampler quantization.
-# Measured against fp32 versions (tiny model): fp32 MLX vs torch ~5e-7, int8 ~5e-3 max. Against bf16 versions
-# scored in bf16 (Qwen2 4x256 / Llama 4x128, 3.5k tokens each): fp32 engines mean 0.001-0.002, p99 0.003-0.007,
-# max 0.006-0.009; int8 mean 0.007-0.013, p99 0.023-0.043, max 0.034-0.063; int4 mean 0.04-0.06, p99 0.14-0.21,
-# max 0.18-0.30. The bounds keep a margin of 3-5x over those maxima, because trained models with peaked
-# distributions can be noisier than these random-init ones, and refusing an honest group costs a strike.
-DEFAULT_TOLERANCES: dict[str, tuple[float, float]] = {
-    "none": (0.01, 0.05),
-    "torch": (0.01, 0.05),
-    "q8": (0.05, 0.3),
-    "q4": (0.2, 1.2),
-}
-# What a claimed logprob may move the importance weight pi_old / mu by: about the p99 of honest noise of that
-# quantization. Anything a sampler claims beyond it (still within the verification tolerance) is clamped, so a
-# peer that declares a coarse quantization to shift its logprobs cannot skew the TIS weights of its own samples.
-TIS_CLAMP: dict[str, float] = {"none": 0.01, "torch": 0.01, "q8": 0.05, "q4": 0.2}
 
-
-def bounded_mu(claimed: list[float], ours: list[float], quant: str) -> list[float]:
-    """The sampler's logprobs as the loss will see them: within ``TIS_CLAMP[quant]`` of the trainer's own."""
-    c = TIS_CLAMP.get(quant, TIS_CLAMP["q4"])
-    return [o + max(-c, min(c, m - o)) for m, o in zip(claimed, ours, strict=True)]
+def bounded_mu(claimed: list[float], ours: list[float], clamp: float) -> list[float]:
+    """The sampler's logprobs as the loss will see them: within ``clamp`` (the applied noise class's ``tis_clamp``,
+    about honest p99) of the trainer's own, so a peer cannot skew the TIS weights of its own samples."""
+    return [o + max(-clamp, min(clamp, m - o)) for m, o in zip(claimed, ours, strict=True)]
 
 
 class Rejected(Exception):
@@ -72,8 +58,9 @@ class RolloutVerifier:
         completion_text: Callable[[list[int]], str],
         eos_ids: tuple[int, ...],
         max_staleness: int,
-        tolerances: dict[str, tuple[float, float]] | None = None,
-        draw_limits: dict[str, DrawLimits] | None = None,
+        accept: tuple[str, ...] = DEFAULT_ACCEPT,
+        scorer_floor: str | None = None,
+        max_peers: int = 10_000,
     ) -> None:
         self.task = task
         self.leases = leases
@@ -81,8 +68,12 @@ class RolloutVerifier:
         self.completion_text = completion_text
         self.eos_ids = eos_ids
         self.max_staleness = max_staleness
-        self.tolerances = tolerances or DEFAULT_TOLERANCES
-        self.draw_limits = draw_limits or DEFAULT_DRAW_LIMITS
+        self.accept = accept  # weight quantizations trained on (--accept-quant)
+        self.scorer_floor = scorer_floor  # the scorer's own noise class (a bf16 scorer: none/bf16), or None
+        self.max_peers = max_peers
+        self.modes: dict[str, Mode] = {}  # the mode each peer declared first (insertion order: oldest first)
+        self.history: dict[str, FlipHistory] = {}  # each peer's near-boundary flips against honest expectation
+        self.last_limits: dict[str, str] = {}  # per peer, the limits its latest refusal for forgery named
         self.scoring_seconds = 0.0  # time spent recomputing logprobs (the trainer's cost of verification)
         self.scored_tokens = 0  # prompt and completion tokens those forward passes took
 
@@ -118,31 +109,70 @@ class RolloutVerifier:
                 raise Forged("a completion is longer than the lease's max_tokens")
             if any(t in self.eos_ids for t in s.completion_ids[:-1]):
                 raise Forged("a completion continues after a stop token")
+            if s.completion_ids[-1] not in self.eos_ids and len(s.completion_ids) < lease.sampling.max_tokens:
+                raise Forged("a completion stops before its stop token and before max_tokens (cut short)")
+        self.check_mode(g, remote)
 
-    def check_logprobs(self, g: RolloutGroup) -> list[list[float]]:
-        """The trainer's own logprobs at the rollout's version, if the claimed ones agree with them and every token
-        is the one the lease's seed draws (within the sampler's quantization noise)."""
+    def check_mode(self, g: RolloutGroup, remote: str) -> Mode:
+        """The peer's declared mode: one this trainer accepts, and the one it declared first (never blame: a
+        sampler that changed engines is not a liar, but its history no longer describes it)."""
+        mode = Mode(g.engine, g.compute, g.quant)
+        if g.quant not in self.accept:
+            raise Rejected(
+                f"this trainer does not train on {g.quant} rollouts (it accepts {', '.join(self.accept)}): "
+                "run the sampler with --bits 8 or --bits none"
+            )
+        bound = self.modes.get(remote)
+        if bound is None:
+            self.modes[remote] = mode
+            while len(self.modes) > self.max_peers:
+                del self.modes[next(iter(self.modes))]
+        elif bound != mode:
+            raise Rejected(f"this peer declared {bound} first, now {mode}: restart it with a fresh identity to switch")
+        return mode
+
+    def check_logprobs(self, g: RolloutGroup) -> tuple[list[list[float]], Assessment]:
+        """The trainer's own logprobs at the rollout's version and the group's assessment under the noise its
+        declared mode explains (node/intake/noise.py). Blocking (a forward pass): runs in a worker thread."""
         prompts = [g.prompt_ids] * len(g.samples)
         comps = [s.completion_ids for s in g.samples]
         draws = self.score(g.version, prompts, comps, g.temperature, g.top_p)
         if draws is None:
             raise Rejected(f"version {g.version} is no longer kept for verification")
         self.scored_tokens += sum(len(p) + len(c) for p, c in zip(prompts, comps, strict=True))
-        ours = [[d.logprob for d in row] for row in draws]
-        mean_tol, max_tol = self.tolerances.get(g.quant, self.tolerances["q4"])
-        diffs = [
-            abs(a - b) for s, mine in zip(g.samples, ours, strict=True) for a, b in zip(s.logprobs, mine, strict=True)
-        ]
-        mean = sum(diffs) / len(diffs)
-        worst = max(diffs)
-        if mean > mean_tol or worst > max_tol:
+        mode = Mode(g.engine, g.compute, g.quant)
+        verdict = assess_group(
+            draws, [s.logprobs for s in g.samples], g.seed, mode, g.temperature, g.top_p, self.scorer_floor
+        )
+        return [[d.logprob for d in row] for row in draws], verdict
+
+    def judge(self, verdict: Assessment, remote: str) -> float:
+        """Refuse a group its noise does not explain, or one that makes the peer's flips so far implausible for
+        honest noise (a steerer spreading its picks over many groups); returns the TIS clamp for the group. In the
+        event loop: a peer's history is updated by one group at a time."""
+        if not verdict.ok:
+            self._note_limits(remote, verdict)
+            raise Forged(verdict.reason())
+        history, p = sequential_check(self.history.pop(remote, FlipHistory()), verdict.tails, verdict.limits.expected)
+        if p < EPSILON:
+            self._note_limits(remote, verdict)
             raise Forged(
-                f"claimed logprobs deviate from the trainer's (mean {mean:.3g}, max {worst:.3g}, quant {g.quant})"
+                f"{history.flips} near-boundary draws over {history.groups} groups where honest noise expects "
+                f"{history.expected:.2g} (p = {p:.1e}): steering, not sampling; {verdict.limits.describe()}"
             )
-        checked = check_group_draws(draws, g.seed, g.quant, g.top_p, self.draw_limits)
-        if not checked.ok:
-            raise Forged(f"tokens were not drawn from the lease's seed: {checked.reason()}")
-        return ours
+        self.history[remote] = history
+        while len(self.history) > self.max_peers:
+            del self.history[next(iter(self.history))]
+        clamp = noise_class(verdict.cls.split("+")[0]).tis_clamp
+        if self.scorer_floor is not None:
+            clamp = max(clamp, noise_class(self.scorer_floor).tis_clamp)
+        return clamp
+
+    def _note_limits(self, remote: str, verdict: Assessment) -> None:
+        self.last_limits.pop(remote, None)
+        self.last_limits[remote] = verdict.limits.describe()
+        while len(self.last_limits) > self.max_peers:
+            del self.last_limits[next(iter(self.last_limits))]
 
     async def verify(self, g: RolloutGroup, remote: str, current_version: int) -> Group:
         """The group as the learner will train on it; raises Forged or Rejected."""
@@ -157,9 +187,10 @@ class RolloutVerifier:
             solved.append(bool(self.task.solved(g.seed, text)))
         t0 = time.monotonic()
         try:
-            old_logprobs = await trio.to_thread.run_sync(self.check_logprobs, g)
+            old_logprobs, verdict = await trio.to_thread.run_sync(self.check_logprobs, g)
         finally:
             self.scoring_seconds += time.monotonic() - t0
+        clamp = self.judge(verdict, remote)
         return Group(
             group_id=g.group_id,
             peer=remote,
@@ -168,7 +199,7 @@ class RolloutVerifier:
             seed=g.seed,
             prompt_ids=g.prompt_ids,
             completions=[s.completion_ids for s in g.samples],
-            sampler_logprobs=[bounded_mu(s.logprobs, o, g.quant) for s, o in zip(g.samples, old_logprobs, strict=True)],
+            sampler_logprobs=[bounded_mu(s.logprobs, o, clamp) for s, o in zip(g.samples, old_logprobs, strict=True)],
             old_logprobs=old_logprobs,
             rewards=rewards,
             solved=solved,

@@ -89,6 +89,8 @@ class SamplerRole:
         self.groups_sent = 0
         self.rollouts_accepted = 0
         self.rollouts_rejected = 0
+        self.strikes = 0  # groups the trainer refused as forged: each is a strike there (banned at its limit)
+        self.last_strike = ""
         self.rate_limited = 0
         self.stale_waits = 0
         self.versions = VersionWatch()
@@ -119,7 +121,7 @@ class SamplerRole:
         if self.engine is None:
             self.engine = await trio.to_thread.run_sync(self.engine_factory, path, version)
             self.engine_ready.set()
-            log.info("engine %s/%s ready at version %d", self.engine.name, self.engine.quant, version)
+            log.info("engine %s ready at version %d", self.mode(), version)
             return
         async with self._engine_lock:
             how = await trio.to_thread.run_sync(install_weights, self.engine, path, version, changes)
@@ -289,6 +291,8 @@ class SamplerRole:
             temperature=sp.temperature,
             top_p=sp.top_p,
             quant=self.engine.quant,
+            engine=self.engine.name,
+            compute=self.engine.compute,
             samples=[
                 Sample(f"{group_id}/{i}", g.completion_ids, g.logprobs, g.finish_reason) for i, g in enumerate(gens)
             ],
@@ -332,27 +336,43 @@ class SamplerRole:
             self.rollouts_accepted += len(ack.accepted) + len(ack.duplicate)
             self.rollouts_rejected += len(ack.rejected)
             if ack.rejected:
-                self.last_error = ack.rejected[0][1]
-                log.info("trainer rejected group %s: %s", group.group_id, ack.rejected[0][1])
+                reason = ack.rejected[0][1]
+                self.last_error = reason
+                if reason.startswith("forged:"):
+                    # a strike against this peer: an honest sampler should never see one, so say it loudly, with
+                    # the limits the trainer applied (engine, compute dtype, quantization) for a report
+                    self.strikes += 1
+                    self.last_strike = reason
+                    log.warning(
+                        "trainer refused group %s as forged (strike %d): %s", group.group_id, self.strikes, reason
+                    )
+                else:
+                    log.info("trainer rejected group %s: %s", group.group_id, reason)
             return ack
         log.warning("gave up on group %s after %d attempts (%s)", group.group_id, attempt, self.last_error)
         return None
 
+    def mode(self) -> str:
+        """engine/compute dtype/quantization: what this sampler's rollouts declare."""
+        return f"{self.engine.name}/{self.engine.compute}/{self.engine.quant}"
+
     def report(self) -> SamplerReport:
         """What the trainer's dashboard shows for this sampler (its own word)."""
-        engine = f"{self.engine.name}/{self.engine.quant}" if self.engine else "none"
+        engine = self.mode() if self.engine else "none"
         return SamplerReport(self.versions.engine, self.weight_server.bytes_served, engine)
 
     def status(self) -> dict[str, Any]:
         return {
             "trainer": str(self.trainer_id) if self.trainer_found.is_set() else "searching",
             "version": self.engine.version if self.engine else -1,
-            "engine": f"{self.engine.name}/{self.engine.quant}" if self.engine else "waiting for weights",
+            "engine": self.mode() if self.engine else "waiting for weights",
             "bytes_uploaded": self.weight_server.bytes_served,
             "samplers_known": len(self.samplers),
             "groups_sent": self.groups_sent,
             "rollouts_accepted": self.rollouts_accepted,
             "rollouts_rejected": self.rollouts_rejected,
+            "strikes": self.strikes,
+            "last_strike": self.last_strike,
             "rate_limited": self.rate_limited,
             "stale_waits": self.stale_waits,
             "last_error": self.last_error,

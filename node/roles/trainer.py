@@ -87,6 +87,9 @@ class TrainerRole:
             self.learner.score,
             config.data_dir / "journal",
             s,
+            scorer_floor={"torch.bfloat16": "none/bf16", "torch.float16": "none/fp16"}.get(
+                str(self.learner.precision.compute)
+            ),
         )
         self.checkpoint_path = config.data_dir / "trainer.ckpt"
         self.metrics_path = config.data_dir / "metrics.jsonl"
