@@ -26,7 +26,8 @@ class Generation:
 
 class Engine(Protocol):
     name: str
-    quant: str  # one of protocols.rollouts.QUANT_MODES
+    quant: str  # weight quantization, one of protocols.rollouts.QUANT_MODES
+    compute: str  # the dtype its forward pass computes in, one of protocols.rollouts.COMPUTE_DTYPES
     version: int
 
     def generate(
