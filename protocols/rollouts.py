@@ -155,7 +155,7 @@ class RolloutAck:
             "t": "ack",
             "accepted": self.accepted,
             "duplicate": self.duplicate,
-            "rejected": [[rid, reason[:256]] for rid, reason in self.rejected],
+            "rejected": [[rid, reason[:512]] for rid, reason in self.rejected],  # room for the limits applied
         }
 
     @classmethod

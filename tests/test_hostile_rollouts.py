@@ -399,3 +399,35 @@ async def test_a_sampler_that_chooses_its_tokens_is_caught_on_its_first_group(tr
     assert first is not None and not first.accepted and "not drawn from the lease's seed" in first.rejected[0][1]
     assert str(client.peer_id) in trainer.role.intake.strikes.banned
     assert trainer.role.intake.ledger.groups_accepted == 0
+
+
+async def test_a_struck_sampler_sees_its_strikes_and_the_limits_applied(tmp_path, tiny_model_dir, nursery, caplog):
+    """Issue 24: a refusal for forgery is a strike, so a sampler logs it at WARNING with the trainer's reason, which
+    names the limits applied (engine, compute dtype, quantization), and `swarmrl status` counts its strikes: an
+    operator can tell a false strike from a fair one and report it."""
+    import logging
+
+    from bench.netlab.hostile import injecting_engine_factory
+    from node.engines import engine_factory
+    from node.local_swarm import node_config, settings, start, trainer_peer_id
+    from node.roles.sampler import SamplerRole
+
+    boot = await start_bootstrap(nursery, tmp_path)
+    trainer = await start_trainer(nursery, tmp_path, boot, tiny_model_dir, group_size=4, max_tokens=6, max_strikes=2)
+    cfg = node_config(
+        tmp_path, "cheat", "sampler", bootstrap=(boot.swarm.addrs()[0],), trainer_id=trainer_peer_id(tmp_path)
+    )
+    s = settings(sampler={"engine": "torch", "bits": "none"})
+    with caplog.at_level(logging.WARNING, logger="node.roles.sampler"):
+        cheat = await start(
+            nursery, cfg, SamplerRole(cfg, s, injecting_engine_factory(engine_factory("torch", "none")))
+        )
+        await wait_until(lambda: cheat.role.strikes >= 1, 120, what="the injector's first strike")
+    status = cheat.role.status()
+    assert status["strikes"] >= 1 and "torch/fp32/none" in status["last_strike"]
+    assert "tolerance" in status["last_strike"] and "noise class none/fp32" in status["last_strike"]
+    assert any("as forged (strike 1)" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    peer = str(cheat.swarm.peer_id)
+    assert "torch/fp32/none" in trainer.role.intake.verifier.last_limits[peer]
+    await wait_until(lambda: trainer.role.intake.strikes.is_banned(peer), 120, what="the ban at 2 strikes")
+    nursery.cancel_scope.cancel()

@@ -80,7 +80,7 @@ class DrawCheck:
             return (
                 f"{len(self.forged)} of {self.tokens} tokens were not drawn by the seeded rule (worst: sample "
                 f"{d.sample} position {d.position}, u={d.u:.6f} is {d.distance:.3g} ({d.log_odds:.3g} in log-odds) "
-                f"outside its interval; tolerance {self.tolerance.log_odds:g} log-odds)"
+                f"outside its interval)"
             )
         if len(self.flips) > self.budget:
             return f"{len(self.flips)} near-boundary draws in one group, more than the {self.budget} allowed"
@@ -160,7 +160,7 @@ class Assessment:
                 f"{self.logprob_bounds[1]:g})"
             )
         if not self.draws.ok:
-            return f"tokens were not drawn from the lease's seed: {self.draws.reason()}; {self.limits.describe()}"
+            return f"tokens were not drawn from the lease's seed ({self.limits.describe()}): {self.draws.reason()}"
         return ""
 
 
