@@ -127,8 +127,10 @@ class NoiseClass:
         return self.full if top_p >= 1.0 else self.nucleus
 
 
-# Filled from bench/draws.py report (bench/results/draws.txt): realistic trained Llama, G=8, max_tokens=16,
-# T 0.6/1.0, top_p 1.0/0.9. Floors where (almost) no flip was seen: shift 1e-6, tail scale 0.002.
+# Written by `bench/draws.py report --write` (bench/results/draws.txt): realistic trained Llama, G=8, max_tokens=16,
+# T 0.6/1.0, top_p 1.0/0.9. Where (almost) no flip was seen: shift >= 1e-6, tail from >= 0.002 with alpha 4.
+# NoiseClass(top_p = 1 Tail(shift, start, share, alpha, largest), top_p < 1 Tail, logprob mean bound, max bound,
+# TIS clamp, median normalised noise)
 NOISE: dict[str, NoiseClass] = {
     "none/fp32": NoiseClass(
         Tail(1e-06, 0.002, 1, 4, 0.005), Tail(1e-06, 0.002, 1, 4, 0.005), 0.001, 0.01, 0.01, 4.11e-07
@@ -145,13 +147,29 @@ NOISE: dict[str, NoiseClass] = {
         Tail(0.00731, 0.0782, 0.1, 2.56, 0.568), Tail(0.00731, 0.0802, 0.1, 1.22, 18.5), 0.232, 2.19, 0.155, 0.049
     ),
     "none/bf16": NoiseClass(
-        Tail(0.00161, 0.0113, 0.1, 0.975, 0.147), Tail(0.00161, 0.0331, 1, 0.975, 0.147), 0.0641, 0.976, 0.0243, 0.00833
+        Tail(0.00156, 0.0108, 0.101, 1.38, 0.147),
+        Tail(0.00156, 0.0163, 0.109, 1.03, 0.147),
+        0.0641,
+        0.976,
+        0.0238,
+        0.00829,
     ),
     "q4/fp32": NoiseClass(
         Tail(0.0107, 0.0741, 0.1, 1.64, 4.11), Tail(0.0124, 0.0781, 0.1, 1.64, 35.3), 0.551, 13.4, 0.181, 0.0576
     ),
     "q4/bf16": NoiseClass(
         Tail(0.0138, 0.0925, 0.1, 2.01, 1.62), Tail(0.0143, 0.0925, 0.1, 1.38, 18.5), 0.354, 6, 0.231, 0.0771
+    ),
+    "q8/fp16": NoiseClass(
+        Tail(0.00141, 0.0111, 0.102, 1.36, 0.0478),
+        Tail(0.00141, 0.0274, 1, 1.36, 0.0478),
+        0.042,
+        0.608,
+        0.0244,
+        0.00792,
+    ),
+    "none/fp16": NoiseClass(
+        Tail(0.000236, 0.00232, 1, 4, 0.005), Tail(0.000236, 0.00232, 1, 4, 0.005), 0.00335, 0.032, 0.01, 0.00105
     ),
 }
 QUIET = 2e-5  # fp32 samplers' normalised logprob noise stays below this (measured max 2.2e-6, x 10)
