@@ -27,11 +27,11 @@ import torch
 import trio
 from libp2p.crypto.keys import KeyPair
 
-from node.config import NodeConfig, load_config_file
+from node.config import NodeConfig
 from node.discovery import find_role, provide_forever, role_key
 from node.host import Swarm
 from node.runtime import run_node
-from node.settings import WeightSettings
+from node.settings import WeightSettings, load_config_file
 from node.weights.chain import Step
 from node.weights.gossip import announce_topic
 from node.weights.patch import WeightChanges

@@ -8,17 +8,27 @@ import os
 import sys
 import traceback
 from pathlib import Path
+from typing import Any
 
 import trio
 
-from node.config import ROLES, NodeConfig, parse_multiaddr, parse_peer_id, read_config_file, swarm_values
+from node.config import ROLES, NodeConfig, SwarmSettings
 from node.errors import UserError, require_torch
 from node.identity import load_or_create_key, peer_id_of
-from node.private import load_swarm_key, write_swarm_key
-from node.settings import Settings, add_flags, build_settings, check_role, parse_tables
+from node.private import write_swarm_key
+from node.settings import (
+    Settings,
+    add_flags,
+    build_settings,
+    check_role,
+    parse_tables,
+    read_config_file,
+    table_values,
+)
 from trainer.memory import apply_trainer_malloc_policy
 
 log = logging.getLogger("swarmrl")
+DATA_DIR = Path(".swarmrl")
 
 
 def setup_logging(verbose: bool) -> None:
@@ -38,41 +48,12 @@ def setup_logging(verbose: bool) -> None:
 
 
 def add_node_args(p: argparse.ArgumentParser) -> None:
+    """What is this process's own (role, config file, key, data directory); every setting after these is a knob
+    (node/settings.py), also settable in bootstrap.toml."""
     p.add_argument("--role", choices=ROLES, required=True)
     p.add_argument("--config", type=Path, help="bootstrap.toml (default: ./bootstrap.toml if present)")
-    p.add_argument("--bootstrap", action="append", default=None, metavar="MULTIADDR", help="repeatable")
-    p.add_argument("--swarm", help="swarm name (overrides the config)")
-    p.add_argument("--trainer", help="trusted trainer peer id (overrides the config)")
-    p.add_argument("--listen", default=None, help="listen multiaddr, default /ip4/0.0.0.0/tcp/0")
-    p.add_argument("--key", type=Path, help="identity key file (default <data-dir>/identity.key)")
-    p.add_argument("--psk-file", type=Path, help="private swarm key (see `swarmrl swarm-key`); overrides the config")
-    p.add_argument(
-        "--allow", action="append", default=None, metavar="PEER_ID", help="admit only these peers (repeatable)"
-    )
-    p.add_argument("--data-dir", type=Path, default=Path(".swarmrl"))
-    p.add_argument("--provide-interval", type=float, default=None, help="seconds between DHT re-provides")
-    p.add_argument("--bootstrap-timeout", type=float, default=None)
-    p.add_argument("--status-interval", type=float, default=None, help="seconds between status.json writes")
-    p.add_argument(
-        "--rollout-timeout", type=float, default=None, help="seconds for one rollout submission (both sides)"
-    )
-    p.add_argument(
-        "--relay",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="offer circuit relay reservations to peers behind NATs when this node is public "
-        "(default: on for trainer and bootstrap, off for samplers)",
-    )
-    p.add_argument("--relay-slots", type=int, default=None, help="relay reservations held at once (default: 64)")
-    p.add_argument(
-        "--relay-circuit-bytes", type=int, default=None, help="bytes one relayed circuit may carry (default: 4 MiB)"
-    )
-    p.add_argument(
-        "--relay-circuit-seconds", type=int, default=None, help="seconds one relayed circuit may live (default: 300)"
-    )
-    p.add_argument(
-        "--reachability-interval", type=float, default=None, help="seconds between reachability checks (default: 60)"
-    )
+    p.add_argument("--key", type=Path, help="identity key file (default: <data-dir>/identity.key)")
+    p.add_argument("--data-dir", type=Path, default=DATA_DIR, help=f"this node's files (default: {DATA_DIR})")
     p.add_argument("-v", "--verbose", action="store_true")
     add_flags(p)
 
@@ -81,38 +62,23 @@ def config_path(args: argparse.Namespace) -> Path | None:
     return args.config or (Path("bootstrap.toml") if Path("bootstrap.toml").exists() else None)
 
 
-def build_config(args: argparse.Namespace) -> NodeConfig:
+def read_tables(args: argparse.Namespace) -> tuple[dict[str, dict[str, Any]] | None, Path | None]:
+    """The config file's tables, checked (None without a file), and its path."""
     path = config_path(args)
-    file_values = swarm_values(read_config_file(path), path) if path is not None else {}
-    config = NodeConfig(role=args.role, data_dir=args.data_dir, **file_values)
-    overrides = {
-        "swarm": args.swarm,
-        "bootstrap": tuple(parse_multiaddr(a, "--bootstrap", need_peer_id=True) for a in args.bootstrap)
-        if args.bootstrap
-        else None,
-        "trainer_id": parse_peer_id(args.trainer, "--trainer") if args.trainer else None,
-        "listen": parse_multiaddr(args.listen, "--listen", need_peer_id=False) if args.listen else None,
-        "key_path": args.key,
-        "provide_interval": args.provide_interval,
-        "bootstrap_timeout": args.bootstrap_timeout,
-        "status_interval": args.status_interval,
-        "rollout_timeout": args.rollout_timeout,
-        "psk": load_swarm_key(args.psk_file) if args.psk_file else None,
-        "allow": frozenset(parse_peer_id(a, "--allow") for a in args.allow) if args.allow else None,
-        "relay": args.relay,
-        "relay_slots": args.relay_slots,
-        "relay_circuit_bytes": args.relay_circuit_bytes,
-        "relay_circuit_seconds": args.relay_circuit_seconds,
-        "reachability_interval": args.reachability_interval,
-    }
-    return config.with_overrides(**overrides)
+    return (parse_tables(read_config_file(path), path) if path is not None else None), path
+
+
+def build_config(args: argparse.Namespace) -> NodeConfig:
+    """Flags > bootstrap.toml's [swarm] table > NodeConfig's defaults."""
+    tables, _ = read_tables(args)
+    values = table_values(SwarmSettings, tables, args)
+    return NodeConfig(role=args.role, data_dir=args.data_dir, key_path=args.key, **values)
 
 
 def load_settings(args: argparse.Namespace) -> Settings:
     """Flags > bootstrap.toml's [trainer]/[sampler]/[weights] tables > defaults; a knob this role would ignore
     is an error (node/settings.py check_role)."""
-    path = config_path(args)
-    tables = parse_tables(read_config_file(path), path) if path is not None else None
+    tables, path = read_tables(args)
     settings = build_settings(tables, args)
     check_role(args.role, settings, args, tables, path)
     return settings
@@ -211,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("swarm-key", help="create a pre-shared key file for a private swarm")
     p.add_argument("out", type=Path)
     p = sub.add_parser("status", help="show a running node's status")
-    p.add_argument("--data-dir", type=Path, default=Path(".swarmrl"))
+    p.add_argument("--data-dir", type=Path, default=DATA_DIR)
     p = sub.add_parser(
         "build-model", help="pretrain the embedded base model (deterministic, ~30-60 s) into a directory"
     )

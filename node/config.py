@@ -1,21 +1,22 @@
-"""Node configuration: bootstrap.toml's [swarm] table (swarm name, bootstrap peers, trusted trainer id, private
-swarm key, allow-list) and the node-level flags. The [trainer], [sampler] and [weights] tables are read by
-node/settings.py. Flags override the file."""
+"""A node's own settings: the knobs of bootstrap.toml's ``[swarm]`` table (``SwarmSettings``: swarm name, bootstrap
+peers, trusted trainer id, listen address, private swarm key, allow-list, intervals, relay limits) and, in
+``NodeConfig``, what is this process's alone (role, data directory, key). Each knob is declared once, here, with
+its default and help; node/settings.py turns it into a flag and a file key, parsed by the ``parse`` function it
+names. Flags override the file."""
 
 from __future__ import annotations
 
-import tomllib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import multiaddr
 from libp2p.peer.id import ID
 
 from node.errors import UserError
+from node.private import load_swarm_key
+from trainer.settings import knob
 
 ROLES = ("trainer", "sampler", "bootstrap")
-DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/0"
 
 
 def parse_multiaddr(text: str, where: str, *, need_peer_id: bool) -> multiaddr.Multiaddr:
@@ -44,28 +45,109 @@ def parse_peer_id(text: str, where: str) -> ID:
     return pid
 
 
+def swarm_name(text: str, where: str) -> str:
+    """Names go into DHT keys and gossip topics: keep them to what a path segment holds."""
+    if not text.replace("-", "").replace("_", "").isalnum():
+        raise UserError(f"{where}: a swarm name is a string of letters, digits, '-' or '_' (got {text!r})")
+    return text
+
+
+def bootstrap_addr(text: str, where: str) -> multiaddr.Multiaddr:
+    return parse_multiaddr(text, where, need_peer_id=True)
+
+
+def listen_addr(text: str, where: str) -> multiaddr.Multiaddr:
+    return parse_multiaddr(text, where, need_peer_id=False)
+
+
+def optional_peer_id(text: str, where: str) -> ID | None:
+    """An empty trainer id is no trainer id (a bootstrap.toml template leaves it blank)."""
+    return parse_peer_id(text, where) if text else None
+
+
+def swarm_key(path: Path, where: str) -> str:
+    return load_swarm_key(path)
+
+
+def non_negative(value: int, where: str) -> int:
+    if value < 0:
+        raise UserError(f"{where} must be a non-negative integer, got {value}")
+    return value
+
+
 @dataclass(frozen=True)
-class NodeConfig:
+class SwarmSettings:
+    """The ``[swarm]`` knobs, for every role. ``key`` names a knob's bootstrap.toml key where it is not the
+    field's name; ``type`` is what the flag or the file gives, ``parse`` turns it into the field's value."""
+
+    swarm: str = knob(
+        "swarmrl", "swarm name: scopes the DHT keys and gossip topics", key="name", type=str, parse=swarm_name
+    )
+    bootstrap: tuple[multiaddr.Multiaddr, ...] = knob(
+        (),
+        "a bootstrap peer, a multiaddr ending in /p2p/<peer id> (repeatable; default: none, a swarm's first node)",
+        many=tuple,
+        type=str,
+        parse=bootstrap_addr,
+        metavar="MULTIADDR",
+    )
+    trainer_id: ID | None = knob(
+        None,
+        "the trusted trainer's peer id: samplers work only for it and take only weights it signed (default: none)",
+        key="trainer",
+        flag="trainer",
+        type=str,
+        parse=optional_peer_id,
+        metavar="PEER_ID",
+    )
+    listen: multiaddr.Multiaddr = knob(
+        multiaddr.Multiaddr("/ip4/0.0.0.0/tcp/0"), "listen multiaddr", type=str, parse=listen_addr, metavar="MULTIADDR"
+    )
+    psk: str | None = knob(
+        None,
+        "private swarm key file (see `swarmrl swarm-key`; in the file, relative to it; default: a public swarm)",
+        key="psk_file",
+        flag="psk-file",
+        type=Path,
+        parse=swarm_key,
+        metavar="PATH",
+    )
+    allow: frozenset[ID] | None = knob(
+        None,
+        "admit only these peer ids, plus the trainer and the bootstrap peers (repeatable; default: anyone)",
+        many=frozenset,
+        type=str,
+        parse=parse_peer_id,
+        metavar="PEER_ID",
+    )
+    provide_interval: float = knob(30.0, "seconds between DHT re-provides")
+    discover_interval: float = knob(
+        2.0, "seconds between a sampler's DHT lookups of the trainer and of other samplers (4x once it has the trainer)"
+    )
+    bootstrap_timeout: float = knob(20.0, "seconds a trainer or sampler tries to reach a bootstrap peer before exiting")
+    status_interval: float = knob(5.0, "seconds between status.json writes")
+    rollout_timeout: float = knob(120.0, "seconds for one rollout submission (one limit, on both sides of the stream)")
+    relay: bool | None = knob(
+        None,
+        "offer circuit relay reservations to peers behind NATs when this node is public "
+        "(default: on for trainer and bootstrap, off for samplers)",
+        type=bool,
+    )
+    relay_slots: int = knob(64, "relay reservations held at once", parse=non_negative)
+    relay_circuit_bytes: int = knob(
+        4 << 20, "bytes one relayed circuit may carry before the relay resets it", parse=non_negative
+    )
+    relay_circuit_seconds: int = knob(300, "seconds one relayed circuit may live", parse=non_negative)
+    reachability_interval: float = knob(60.0, "seconds between dial-back checks of this node's reachability")
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeConfig(SwarmSettings):
+    """The swarm's knobs and what belongs to this process alone, from the command line only."""
+
     role: str
-    swarm: str = "swarmrl"
-    bootstrap: tuple[multiaddr.Multiaddr, ...] = ()
-    trainer_id: ID | None = None
-    listen: multiaddr.Multiaddr = field(default_factory=lambda: multiaddr.Multiaddr(DEFAULT_LISTEN))
-    data_dir: Path = Path(".swarmrl")
+    data_dir: Path
     key_path: Path | None = None
-    provide_interval: float = 30.0
-    discover_interval: float = 2.0
-    bootstrap_timeout: float = 20.0
-    status_interval: float = 5.0
-    rollout_timeout: float = 120.0  # one limit for a rollout submission, on both sides of the stream
-    psk: str | None = None  # private swarm key (64 hex digits), from swarm.psk_file / --psk-file
-    allow: frozenset[ID] | None = None  # only these peers may connect (None: anyone)
-    relay: bool | None = None  # offer circuit relay reservations when public (None: trainer and bootstrap do)
-    relay_slots: int = 64  # reservations a relay holds at once
-    relay_circuit_bytes: int = 4 << 20  # bytes one relayed circuit may carry before the relay resets it
-    relay_circuit_seconds: int = 300  # seconds one relayed circuit may live
-    reachability_interval: float = 60.0  # seconds between dial-back checks of this node's reachability
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def identity_path(self) -> Path:
@@ -78,73 +160,6 @@ class NodeConfig:
         known = {me, *([self.trainer_id] if self.trainer_id else [])}
         known |= {ID.from_base58(a.get_peer_id()) for a in self.bootstrap if a.get_peer_id()}
         return self.allow | known
-
-    def with_overrides(self, **changes: Any) -> NodeConfig:
-        return replace(self, **{k: v for k, v in changes.items() if v is not None})
-
-
-TABLES = ("swarm", "trainer", "sampler", "weights")
-
-
-def read_config_file(path: Path) -> dict[str, Any]:
-    """bootstrap.toml as parsed TOML; every problem names the file."""
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"config file {path} does not exist") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise UserError(f"config file {path} is not valid TOML: {exc}") from None
-    unknown = set(data) - set(TABLES)
-    if unknown:
-        raise UserError(f"{path}: unknown tables or keys {', '.join(sorted(unknown))} (known: {', '.join(TABLES)})")
-    return data
-
-
-def load_config_file(path: Path) -> dict[str, Any]:
-    """bootstrap.toml's [swarm] table as NodeConfig values; every problem names the file and the key."""
-    return swarm_values(read_config_file(path), path)
-
-
-def swarm_values(data: dict[str, Any], path: Path) -> dict[str, Any]:
-    swarm = data.get("swarm", {})
-    if not isinstance(swarm, dict):
-        raise UserError(f"{path}: [swarm] must be a table")
-    relay_keys = {"relay": bool, "relay_slots": int, "relay_circuit_bytes": int, "relay_circuit_seconds": int}
-    unknown = set(swarm) - {"name", "bootstrap", "trainer", "psk_file", "allow", *relay_keys}
-    if unknown:
-        raise UserError(f"{path}: unknown keys in [swarm]: {', '.join(sorted(unknown))}")
-    out: dict[str, Any] = {}
-    if "name" in swarm:
-        if not isinstance(swarm["name"], str) or not swarm["name"].replace("-", "").replace("_", "").isalnum():
-            raise UserError(f"{path}: swarm.name must be a string of letters, digits, '-' or '_'")
-        out["swarm"] = swarm["name"]
-    if "bootstrap" in swarm:
-        if not isinstance(swarm["bootstrap"], list) or not all(isinstance(x, str) for x in swarm["bootstrap"]):
-            raise UserError(f"{path}: swarm.bootstrap must be a list of multiaddr strings")
-        out["bootstrap"] = tuple(
-            parse_multiaddr(a, f"{path} swarm.bootstrap", need_peer_id=True) for a in swarm["bootstrap"]
-        )
-    if swarm.get("trainer"):
-        if not isinstance(swarm["trainer"], str):
-            raise UserError(f"{path}: swarm.trainer must be a peer id string")
-        out["trainer_id"] = parse_peer_id(swarm["trainer"], f"{path} swarm.trainer")
-    if "psk_file" in swarm:
-        from node.private import load_swarm_key
-
-        if not isinstance(swarm["psk_file"], str):
-            raise UserError(f"{path}: swarm.psk_file must be a path string")
-        out["psk"] = load_swarm_key(path.parent / swarm["psk_file"])
-    if "allow" in swarm:
-        if not isinstance(swarm["allow"], list) or not all(isinstance(x, str) for x in swarm["allow"]):
-            raise UserError(f"{path}: swarm.allow must be a list of peer id strings")
-        out["allow"] = frozenset(parse_peer_id(x, f"{path} swarm.allow") for x in swarm["allow"])
-    for key, kind in relay_keys.items():  # what a relay operator sets (README: "Behind a NAT")
-        if key in swarm:
-            if not isinstance(swarm[key], kind) or (kind is int and (isinstance(swarm[key], bool) or swarm[key] < 0)):
-                what = "boolean" if kind is bool else "non-negative integer"
-                raise UserError(f"{path}: swarm.{key} must be a {what}")
-            out[key] = swarm[key]
-    return out
 
 
 def write_config_file(path: Path, swarm: str, bootstrap: list[str], trainer: str | None) -> None:

@@ -63,6 +63,8 @@ from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.tools.anyio_service import background_trio_service
 from libp2p.transport.tcp.tcp import TCP
 
+from node.config import SwarmSettings
+
 if TYPE_CHECKING:
     from node.host import Swarm
 
@@ -265,17 +267,18 @@ def _conn_kind(conn: Any) -> str:
 
 @dataclass(frozen=True)
 class ReachOptions:
-    """What a node does about reachability (from NodeConfig: ``--relay`` and the relay limits)."""
+    """What a node does about reachability (node/runtime.py ``reach_options``: from the ``[swarm]`` knobs, whose
+    defaults these are)."""
 
-    swarm_name: str = "swarmrl"
+    swarm_name: str = SwarmSettings.swarm
     trusted: frozenset[ID] = frozenset()  # bootstrap peers and the trainer: asked for dial-backs, used as relays
     relay: bool = False  # offer relay reservations (when public)
-    relay_slots: int = 64
-    relay_circuit_bytes: int = 4 << 20
-    relay_circuit_seconds: int = 300
+    relay_slots: int = SwarmSettings.relay_slots
+    relay_circuit_bytes: int = SwarmSettings.relay_circuit_bytes
+    relay_circuit_seconds: int = SwarmSettings.relay_circuit_seconds
     relay_circuits_per_peer: int = 16
-    check_interval: float = 60.0
-    provide_interval: float = 30.0
+    check_interval: float = SwarmSettings.reachability_interval
+    provide_interval: float = SwarmSettings.provide_interval
     assume_public: bool = False  # trainer/bootstrap: serve as relays before the first verdict
 
 

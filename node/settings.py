@@ -1,9 +1,9 @@
 """Every knob a node has, declared once: dataclasses whose fields carry their help text.
 
-From these come the command-line flags (``add_flags``) and the bootstrap.toml tables ``[trainer]``,
-``[sampler]`` and ``[weights]`` (``[swarm]`` is node/config.py's). Precedence: a flag given on the command
-line, else the file's value, else the default. ``[trainer]`` holds both the trainer role's knobs and the
-learner's (trainer/settings.py), as a user thinks of them as one thing.
+From these come the command-line flags (``add_flags``) and the bootstrap.toml tables ``[swarm]`` (the node's
+own settings, ``SwarmSettings`` in node/config.py), ``[trainer]``, ``[sampler]`` and ``[weights]``. Precedence: a
+flag given on the command line, else the file's value, else the default. ``[trainer]`` holds both the trainer
+role's knobs and the learner's (trainer/settings.py), as a user thinks of them as one thing.
 
 Each table knows the roles that use it (``TABLE_ROLES``), and a knob may say when its value is moot (``moot``: a
 function of its table's values giving the reason, or None); ``check_role`` turns both into errors, so that a flag a
@@ -13,10 +13,12 @@ node would ignore is never silently ignored.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields, replace
+import tomllib
+from dataclasses import Field, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from node.config import ROLES, SwarmSettings
 from trainer.errors import UserError
 from trainer.settings import LearnerSettings, knob
 
@@ -121,11 +123,13 @@ class WeightSettings:
 
 
 TABLES: dict[str, tuple[type, ...]] = {
+    "swarm": (SwarmSettings,),
     "trainer": (TrainerSettings, LearnerSettings),
     "sampler": (SamplerSettings,),
     "weights": (WeightSettings,),
 }
 TABLE_ROLES: dict[str, tuple[str, ...]] = {
+    "swarm": ROLES,
     "trainer": ("trainer",),
     "sampler": ("sampler",),
     "weights": ("trainer", "sampler"),
@@ -140,83 +144,139 @@ class Settings:
     weights: WeightSettings
 
 
-def _flag(f: Any) -> str:
+def _flag(f: Field[Any]) -> str:
     return "--" + f.metadata.get("flag", f.name.replace("_", "-"))
 
 
-def _type(f: Any) -> type:
+def _key(f: Field[Any]) -> str:
+    return f.metadata.get("key", f.name)
+
+
+def _type(f: Field[Any]) -> type:
     return f.metadata.get("type") or type(f.default)
+
+
+def _dest(cls: type, f: Field[Any]) -> str:
+    return f"{cls.__name__}.{f.name}"
+
+
+def _help(f: Field[Any]) -> str:
+    """The knob's help with its default (unless the text already says what it is)."""
+    text = f.metadata["help"]
+    if "default:" not in text:
+        text += f" (default: {f.default})"
+    return text
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per knob; each defaults to None so that an unset flag lets the file's value through."""
     for table, classes in TABLES.items():
-        roles = " and ".join(TABLE_ROLES[table])
-        group = parser.add_argument_group(f"[{table}] settings, for the {roles} (also settable in bootstrap.toml)")
+        roles = "every role" if TABLE_ROLES[table] == ROLES else "the " + " and ".join(TABLE_ROLES[table])
+        group = parser.add_argument_group(f"[{table}] settings, for {roles} (also settable in bootstrap.toml)")
         for cls in classes:
             for f in fields(cls):
-                help_text = f"{f.metadata['help']} (default: {f.default})"
-                dest = f"{cls.__name__}.{f.name}"
+                dest, choices = _dest(cls, f), f.metadata.get("choices")
                 if _type(f) is bool:
                     group.add_argument(
-                        _flag(f), dest=dest, action=argparse.BooleanOptionalAction, default=None, help=help_text
+                        _flag(f), dest=dest, action=argparse.BooleanOptionalAction, default=None, help=_help(f)
                     )
                     continue
-                choices = f.metadata.get("choices")
                 group.add_argument(
                     _flag(f),
                     dest=dest,
                     type=_type(f),
                     choices=choices,
+                    action="append" if f.metadata.get("many") else "store",
                     default=None,
-                    help=help_text,
-                    metavar=None if choices else f.name.upper(),
+                    help=_help(f),
+                    metavar=None if choices else f.metadata.get("metavar", f.name.upper()),
                 )
 
 
-def _coerce(value: Any, f: Any, where: str) -> Any:
+def _check(value: Any, f: Field[Any], where: str) -> Any:
+    """A flag's or the file's value of one item, checked against the knob's type and choices, then parsed."""
     kind = _type(f)
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
-    if kind is Path and isinstance(value, str):
-        value = Path(value)
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise UserError(f"{where}: expected {kind.__name__}, got {value!r}")
     choices = f.metadata.get("choices")
     if choices and value not in choices:
         raise UserError(f"{where}: {value!r} is not one of {', '.join(choices)}")
-    return value
+    parse = f.metadata.get("parse")
+    return parse(value, where) if parse is not None else value
+
+
+def _value(value: Any, f: Field[Any], where: str, base: Path | None = None) -> Any:
+    """A knob's value from a flag (``base`` None) or the file (a path in it is relative to the file: ``base``)."""
+    many = f.metadata.get("many")
+    if many is not None and not isinstance(value, list):
+        raise UserError(f"{where}: expected a list, got {value!r}")
+    items = value if many is not None else [value]
+    if base is not None and _type(f) is Path:
+        items = [base / item if isinstance(item, str) else item for item in items]
+    checked = [_check(item, f, where) for item in items]
+    return many(checked) if many is not None else checked[0]
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """bootstrap.toml as parsed TOML; every problem names the file."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"config file {path} is not valid TOML: {exc}") from None
+    unknown = set(data) - set(TABLES)
+    if unknown:
+        raise UserError(f"{path}: unknown tables or keys {', '.join(sorted(unknown))} (known: {', '.join(TABLES)})")
+    return data
 
 
 def parse_tables(data: dict[str, Any], path: Path) -> dict[str, dict[str, Any]]:
-    """The [trainer]/[sampler]/[weights] tables of a parsed bootstrap.toml, checked: {class name: {field: value}}."""
+    """The tables of a parsed bootstrap.toml, checked: {class name: {field: value}}."""
     out: dict[str, dict[str, Any]] = {cls.__name__: {} for classes in TABLES.values() for cls in classes}
     for table, classes in TABLES.items():
         values = data.get(table, {})
         if not isinstance(values, dict):
             raise UserError(f"{path}: [{table}] must be a table")
-        known = {f.name: (cls, f) for cls in classes for f in fields(cls)}
+        known = {_key(f): (cls, f) for cls in classes for f in fields(cls)}
         unknown = set(values) - set(known)
         if unknown:
             raise UserError(f"{path}: unknown keys in [{table}]: {', '.join(sorted(unknown))}")
         for key, value in values.items():
             cls, f = known[key]
-            if key == "model_dir" and isinstance(value, str):
-                value = path.parent / value  # a relative model dir is relative to the file
-            out[cls.__name__][key] = _coerce(value, f, f"{path} {table}.{key}")
+            out[cls.__name__][f.name] = _value(value, f, f"{path} {table}.{key}", path.parent)
     return out
+
+
+def swarm_values(data: dict[str, Any], path: Path) -> dict[str, Any]:
+    """A parsed bootstrap.toml's [swarm] table as NodeConfig values."""
+    return parse_tables({"swarm": data.get("swarm", {})}, path)[SwarmSettings.__name__]
+
+
+def load_config_file(path: Path) -> dict[str, Any]:
+    """bootstrap.toml's [swarm] table as NodeConfig values; every problem names the file and the key."""
+    return swarm_values(read_config_file(path), path)
+
+
+def table_values(
+    cls: type, file_tables: dict[str, dict[str, Any]] | None, args: argparse.Namespace | None
+) -> dict[str, Any]:
+    """The knobs of ``cls`` set on purpose: the file's values, overridden by flags that were given."""
+    values = dict((file_tables or {}).get(cls.__name__, {}))
+    for f in fields(cls):
+        flag_value = getattr(args, _dest(cls, f), None) if args is not None else None
+        if flag_value is not None:
+            values[f.name] = _value(flag_value, f, _flag(f))
+    return values
 
 
 def build_settings(file_tables: dict[str, dict[str, Any]] | None, args: argparse.Namespace | None) -> Settings:
     """Defaults, overridden by the file's tables, overridden by flags that were given."""
 
     def make(cls: type) -> Any:
-        values = dict((file_tables or {}).get(cls.__name__, {}))
-        for f in fields(cls):
-            flag_value = getattr(args, f"{cls.__name__}.{f.name}", None) if args is not None else None
-            if flag_value is not None:
-                values[f.name] = flag_value
-        return replace(cls(), **values)
+        return replace(cls(), **table_values(cls, file_tables, args))
 
     return Settings(make(TrainerSettings), make(LearnerSettings), make(SamplerSettings), make(WeightSettings))
 
@@ -230,8 +290,8 @@ def given_knobs(
         for cls in classes:
             for f in fields(cls):
                 if f.name in (file_tables or {}).get(cls.__name__, {}):
-                    out[cls.__name__, f.name] = f"{path} [{table}] {f.name}"
-                value = getattr(args, f"{cls.__name__}.{f.name}", None) if args is not None else None
+                    out[cls.__name__, f.name] = f"{path} [{table}] {_key(f)}"
+                value = getattr(args, _dest(cls, f), None) if args is not None else None
                 if value is not None:
                     out[cls.__name__, f.name] = _flag(f) if isinstance(value, bool) else f"{_flag(f)} {value}"
     return out
@@ -253,19 +313,19 @@ def check_role(
             continue
         for cls in classes:
             for f in fields(cls):
-                if args is not None and getattr(args, f"{cls.__name__}.{f.name}", None) is not None:
+                if args is not None and getattr(args, _dest(cls, f), None) is not None:
                     foreign.append(f"{_flag(f)} ({' and '.join(TABLE_ROLES[table])})")
     if foreign:
         what = "a flag of another role" if len(foreign) == 1 else "flags of other roles"
         raise UserError(f"{', '.join(foreign)}: {what}, which a --role {role} node would ignore")
     given = given_knobs(file_tables, args, path)
+    tables = {type(v): v for v in vars(settings).values()}
     for table, classes in TABLES.items():
         if role not in TABLE_ROLES[table]:
             continue
         for cls in classes:
-            values = next(v for v in vars(settings).values() if type(v) is cls)
             for f in fields(cls):
                 moot = f.metadata.get("moot")
-                why = moot(values) if moot is not None and (cls.__name__, f.name) in given else None
+                why = moot(tables[cls]) if moot is not None and (cls.__name__, f.name) in given else None
                 if why:
                     raise UserError(f"{given[cls.__name__, f.name]} has no effect: {why}")

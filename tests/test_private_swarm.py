@@ -7,12 +7,12 @@ import trio
 from libp2p.network.exceptions import SwarmException
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
-from node.config import load_config_file
 from node.errors import UserError
 from node.host import open_swarm
 from node.identity import load_or_create_key, peer_id_of
 from node.private import load_swarm_key, write_swarm_key
 from node.rpc import request
+from node.settings import load_config_file
 from protocols import weights as weights_proto
 from tests.helpers import LOOPBACK
 

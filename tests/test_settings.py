@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from node.cli import add_node_args, load_settings
-from node.config import read_config_file, swarm_values
+from node.cli import add_node_args, build_config, load_settings
 from node.identity import load_or_create_key, peer_id_of
 from node.private import write_swarm_key
-from node.settings import TABLES, parse_tables
+from node.reachability import ReachOptions
+from node.settings import TABLES, parse_tables, read_config_file, swarm_values
 from trainer.errors import UserError
 from trainer.settings import LearnerSettings
 
@@ -51,7 +51,7 @@ def test_every_knob_has_a_flag(tmp_path):
                 flag = "--" + f.metadata.get("flag", f.name.replace("_", "-"))
                 choices = f.metadata.get("choices")
                 text = choices[0] if choices else ("x" if f.metadata.get("type") is Path else "3")
-                args = parse(flag) if isinstance(f.default, bool) else parse(flag, text)
+                args = parse(flag) if f.metadata.get("type", type(f.default)) is bool else parse(flag, text)
                 assert getattr(args, f"{cls.__name__}.{f.name}") is not None, flag
                 assert f.metadata["help"], f"{cls.__name__}.{f.name} has no help text"
 
@@ -141,3 +141,53 @@ def test_the_shipped_bootstrap_toml_and_its_examples_are_valid(tmp_path):
     assert values["trainer_id"] and values["psk"] and values["allow"]
     for role in ("trainer", "sampler"):  # each knob in the role's own tables is checked as if given on purpose
         assert load_settings(parse("--config", str(cfg), role=role)).weights.encoding == data["weights"]["encoding"]
+
+
+def test_the_swarm_table_is_knobs_too(tmp_path):
+    """Issue 25: [swarm] was parsed by hand and its flags written out with their defaults again; now every node
+    setting is a NodeConfig knob: one default, one help, a flag and a file key (discover_interval included)."""
+    me = str(peer_id_of(load_or_create_key(tmp_path / "me.key")))
+    boot = f"/ip4/127.0.0.1/tcp/4001/p2p/{me}"
+    cfg = tmp_path / "bootstrap.toml"
+    cfg.write_text(
+        f'[swarm]\nname = "x"\nbootstrap = ["{boot}"]\ntrainer = "{me}"\ndiscover_interval = 1\n'
+        "relay = false\nrelay_slots = 7\n"
+    )
+    config = build_config(parse("--config", str(cfg), "--discover-interval", "0.25", "--swarm", "y", role="sampler"))
+    assert config.swarm == "y" and config.discover_interval == 0.25  # flags beat the file
+    assert [str(a) for a in config.bootstrap] == [boot] and str(config.trainer_id) == me  # the file, parsed
+    assert config.relay is False and config.relay_slots == 7
+    assert config.provide_interval == 30.0 and config.allow is None and config.psk is None  # defaults
+    assert not hasattr(config, "extra")
+    plain = build_config(parse(role="bootstrap"))
+    assert str(plain.listen) == "/ip4/0.0.0.0/tcp/0" and plain.bootstrap == () and plain.relay is None
+    # what reachability does by default is what the knobs say
+    reach = ReachOptions()
+    assert (reach.relay_slots, reach.relay_circuit_bytes, reach.relay_circuit_seconds) == (64, 4 << 20, 300)
+    assert (reach.check_interval, reach.provide_interval) == (plain.reachability_interval, plain.provide_interval)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[swarm]\nname = "a b"\n', "swarm.name: a swarm name is a string of letters"),
+        ('[swarm]\nbootstrap = "/ip4/1.2.3.4/tcp/1"\n', "swarm.bootstrap: expected a list"),
+        ('[swarm]\nbootstrap = ["/ip4/1.2.3.4/tcp/1"]\n', "must end with /p2p/<peer id>"),
+        ('[swarm]\nallow = ["nope"]\n', "bad peer id 'nope' in .* swarm.allow"),
+        ("[swarm]\nrelay_slots = -1\n", "swarm.relay_slots must be a non-negative integer"),
+        ('[swarm]\nrelay = "yes"\n', "swarm.relay: expected bool"),
+        ("[swarm]\nnames = 1\n", "unknown keys in \\[swarm\\]: names"),
+    ],
+)
+def test_bad_swarm_values_are_clear_errors(tmp_path, text, message):
+    cfg = tmp_path / "bootstrap.toml"
+    cfg.write_text(text)
+    with pytest.raises(UserError, match=message):
+        build_config(parse("--config", str(cfg)))
+
+
+def test_swarm_flags_are_checked_like_the_file():
+    with pytest.raises(UserError, match="bad multiaddr 'nope' in --listen"):
+        build_config(parse("--listen", "nope"))
+    with pytest.raises(UserError, match="bad peer id 'x' in --allow"):
+        build_config(parse("--allow", "x"))

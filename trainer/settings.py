@@ -15,8 +15,10 @@ DTYPES = ("auto", "bf16", "fp32")
 
 
 def knob(default: Any, help: str, **meta: Any) -> Any:
-    """A settings field: ``help`` for --help; ``flag`` overrides the flag name, ``choices`` limits values,
-    ``type`` parses the flag's text (default: the default's type)."""
+    """A settings field: ``help`` for --help; ``flag`` overrides the flag name and ``key`` the bootstrap.toml key,
+    ``choices`` limits values, ``type`` is what the flag's text or the file's value must be (default: the
+    default's type), ``parse(value, where)`` turns that into the field's value, ``many`` (a container type) makes
+    a repeatable flag and a list in the file, ``moot`` is node/settings.py's."""
     return field(default=default, metadata={"help": help, **meta})
 
 

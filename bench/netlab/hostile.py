@@ -29,11 +29,12 @@ import trio
 from libp2p.peer.peerinfo import PeerInfo
 
 from node.cli import setup_logging
-from node.config import NodeConfig, load_config_file
+from node.config import NodeConfig
 from node.discovery import find_role, provide_forever, role_key
 from node.host import Swarm
 from node.rpc import request, serve
 from node.runtime import run_node
+from node.settings import load_config_file
 from node.weights.server import WeightServer
 from node.weights.store import ChunkStore
 from node.weights.sync import WeightSync
