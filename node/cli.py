@@ -168,7 +168,7 @@ def first_leaf(exc: BaseException) -> BaseException:
     return exc
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swarmrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     add_node_args(sub.add_parser("node", help="run a swarm node"))
@@ -184,10 +184,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", type=Path)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--random-init", action="store_true", help="the untrained tiny model instead (tests, debugging)")
-    from node.demo import add_demo_args, cmd_demo
+    from node.demo import add_demo_args
 
     add_demo_args(sub.add_parser("demo", help="run a local swarm on loopback (trainer + samplers)"))
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from node.demo import cmd_demo
+
+    args = build_parser().parse_args(argv)
     setup_logging(getattr(args, "verbose", False))
     if args.command == "node" and args.role == "trainer":
         apply_trainer_malloc_policy()  # before any thread allocates (trainer/memory.py)

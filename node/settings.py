@@ -161,11 +161,11 @@ def _dest(cls: type, f: Field[Any]) -> str:
 
 
 def _help(f: Field[Any]) -> str:
-    """The knob's help with its default (unless the text already says what it is)."""
+    """The knob's help with its default, escaped for argparse (which %-formats help: "30%" broke --help)."""
     text = f.metadata["help"]
     if "default:" not in text:
         text += f" (default: {f.default})"
-    return text
+    return text.replace("%", "%%")
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:

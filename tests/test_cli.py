@@ -13,6 +13,27 @@ from node.identity import load_or_create_key, peer_id_of
 from tests.helpers import free_port, process_swarm, read_status, run_cli, wait_for
 
 
+def test_every_help_renders():
+    """Issue 25: `swarmrl node --help` printed argparse's internals for a help text with an unescaped '%'. Every
+    subcommand's --help renders, and so does each flag's help on its own, with nothing left unformatted."""
+    import argparse
+
+    from node.cli import build_parser
+
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    assert set(sub.choices) == {"node", "keygen", "swarm-key", "status", "build-model", "demo"}
+    for name, command in [("swarmrl", parser), *sub.choices.items()]:
+        text = command.format_help()
+        assert "%(" not in text and "option_strings" not in text, name
+        formatter = command._get_formatter()
+        for action in command._actions:
+            if action.help and action.help is not argparse.SUPPRESS:
+                shown = formatter._expand_help(action)
+                assert "%(" not in shown and "option_strings" not in shown, (name, action.option_strings)
+    assert "~30% slower" in " ".join(sub.choices["node"].format_help().split())
+
+
 def test_bad_multiaddr_is_a_clear_error(tmp_path):
     r = run_cli(
         "node", "--role", "bootstrap", "--bootstrap", "/ip4/not-an-ip/tcp/1", "--data-dir", str(tmp_path), cwd=tmp_path
