@@ -21,17 +21,33 @@ from __future__ import annotations
 import base64
 import hashlib
 import logging
+from typing import Protocol
 
 import trio
+from libp2p.abc import IHost
+from libp2p.kad_dht.kad_dht import KadDHT
+from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
-
-from node.host import Swarm
 
 log = logging.getLogger(__name__)
 
 CID_VERSION = 1
 RAW_CODEC = 0x55
 SHA2_256 = 0x12
+
+
+class DhtNode(Protocol):
+    """What discovery needs of a node (node/host.py's Swarm): a protocol, so that this module, which reachability
+    uses, does not import the host module that uses reachability."""
+
+    host: IHost
+    dht: KadDHT
+
+    @property
+    def peer_id(self) -> ID: ...
+
+    @property
+    def trusted(self) -> frozenset[ID]: ...
 
 
 def role_key(swarm_name: str, role: str) -> str:
@@ -66,7 +82,7 @@ def role_cid(swarm_name: str, role: str) -> str:
     return dht_key(role_key(swarm_name, role))
 
 
-async def provide_forever(swarm: Swarm, key: str, interval: float) -> None:
+async def provide_forever(swarm: DhtNode, key: str, interval: float) -> None:
     """Re-provide the readable role key ``key`` (stored under ``dht_key(key)``) on an interval, faster until the
     first announcement reached some peer."""
     cid = dht_key(key)
@@ -79,17 +95,15 @@ async def provide_forever(swarm: Swarm, key: str, interval: float) -> None:
         await trio.sleep(interval if ok else min(interval, 2.0))
 
 
-async def _ask_trusted(swarm: Swarm, cid: str) -> list[PeerInfo]:
+async def _ask_trusted(swarm: DhtNode, cid: str) -> list[PeerInfo]:
     """Providers as the connected bootstrap peers / trainer know them. py-libp2p's find_providers answers from the
     local store alone once it holds any record, and a node behind a NAT receives records only from the peers it
     is connected to: without this, NATed peers never learn of each other (node/reachability.py)."""
-    if swarm.reach is None:
-        return []
     from libp2p.kad_dht.kad_dht import _encode_key
 
     out: list[PeerInfo] = []
     connected = set(swarm.host.get_connected_peers())
-    for peer in [p for p in swarm.reach.options.trusted if p in connected][:2]:
+    for peer in [p for p in swarm.trusted if p in connected][:2]:
         with trio.move_on_after(5.0):
             try:
                 providers, _ = await swarm.dht.provider_store._get_providers_from_peer_with_closers(
@@ -101,7 +115,7 @@ async def _ask_trusted(swarm: Swarm, cid: str) -> list[PeerInfo]:
     return out
 
 
-async def find_role(swarm: Swarm, key: str, timeout: float = 10.0) -> list[PeerInfo]:
+async def find_role(swarm: DhtNode, key: str, timeout: float = 10.0) -> list[PeerInfo]:
     """Providers of the readable role key ``key`` (looked up as ``dht_key(key)``) other than ourselves, one entry
     per peer (the DHT may repeat them)."""
     cid = dht_key(key)

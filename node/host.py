@@ -1,18 +1,20 @@
-"""The libp2p host every role shares: TCP + Noise + yamux only, Kad-DHT in server mode, bootstrap join.
+"""The libp2p host every role shares: TCP + Noise + yamux only, Kad-DHT in server mode, gossip, bootstrap join.
 
 Plaintext and secio are in py-libp2p's default security list, so the transports are given explicitly.
 The DHT does not add connected peers to its routing table by itself; ``feed_routing_table`` does that.
 With ``reach`` options (every node the runtime starts), the swarm also learns whether it is reachable, relays
 for others, reserves relay slots when it is behind a NAT, and hole-punches relayed connections
 (node/reachability.py): ``connect`` then falls back to a relay when a direct dial fails.
+
+Imports point one way: this module uses reachability, which uses discovery; neither imports this one (they see
+a Swarm through the protocols ``Dialer`` and ``DhtNode``).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from contextlib import asynccontextmanager, nullcontext
 from typing import Any
 
 import multiaddr
@@ -33,7 +35,8 @@ from libp2p.tools.anyio_service import background_trio_service
 from node import libp2p_patches
 from node.errors import UserError
 from node.private import PeerGate
-from node.reachability import Reachability, ReachOptions, is_relayed_addr, open_reachability, patch_libp2p
+from node.reachability import Reachability, ReachOptions, is_relayed_addr, patch_libp2p
+from node.weights.gossip import Gossip, open_gossip
 
 log = logging.getLogger(__name__)
 DIRECT_DIAL_TIMEOUT = 4.0  # seconds for a direct dial to a peer that also advertises a relay address
@@ -51,19 +54,27 @@ def build_host(key_pair: KeyPair, psk: str | None = None) -> IHost:
     )
 
 
-@dataclass
 class Swarm:
-    """A running host and its DHT."""
+    """A running host with all a node talks through: its DHT, gossip, the allow-list gate and, given ``reach``
+    options, its reachability (which dials through this swarm: hence built here). ``open_swarm`` makes one."""
 
-    host: IHost
-    dht: KadDHT
-    gossip: Any = None  # node.weights.gossip.Gossip, attached by the runtime
-    gate: PeerGate = field(default_factory=lambda: PeerGate(None))
-    reach: Reachability | None = None  # set by open_reachability
+    def __init__(
+        self, host: IHost, dht: KadDHT, gossip: Gossip, gate: PeerGate, reach: ReachOptions | None = None
+    ) -> None:
+        self.host = host
+        self.dht = dht
+        self.gossip = gossip
+        self.gate = gate
+        self.reach = Reachability(self, reach) if reach is not None else None
 
     @property
     def peer_id(self) -> ID:
         return self.host.get_id()
+
+    @property
+    def trusted(self) -> frozenset[ID]:
+        """The bootstrap peers and the trainer: asked for dial-backs and provider records, used as relays."""
+        return self.reach.options.trusted if self.reach is not None else frozenset()
 
     def addrs(self) -> list[multiaddr.Multiaddr]:
         """Dialable addresses including /p2p/<id>, 0.0.0.0 replaced by loopback for local use."""
@@ -157,8 +168,8 @@ async def open_swarm(
     allow: frozenset[ID] | None = None,
     reach: ReachOptions | None = None,
 ) -> AsyncIterator[Swarm]:
-    """A running host + DHT. ``psk`` makes the swarm private; ``allow`` admits only those peer ids; ``reach``
-    turns on reachability checks, relaying and hole punching (node/reachability.py)."""
+    """A running host + DHT + gossip. ``psk`` makes the swarm private; ``allow`` admits only those peer ids;
+    ``reach`` turns on reachability checks, relaying and hole punching (node/reachability.py)."""
     host = build_host(key_pair, psk=psk)
     gate = PeerGate(allow)
     gate.install(host)
@@ -168,12 +179,9 @@ async def open_swarm(
         raise UserError(f"cannot listen on {listen}: {exc}") from None
     async with run:
         dht = KadDHT(host, DHTMode.SERVER, max_peers_per_subnet=0)
-        async with background_trio_service(dht):
-            swarm = Swarm(host, dht, gate=gate)
-            if reach is None:
-                yield swarm
-                return
-            async with open_reachability(swarm, reach):
+        async with background_trio_service(dht), open_gossip(host) as gossip:
+            swarm = Swarm(host, dht, gossip, gate, reach)
+            async with swarm.reach.running() if swarm.reach is not None else nullcontext():
                 yield swarm
 
 

@@ -45,7 +45,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import multiaddr
 import trio
@@ -64,9 +64,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from libp2p.transport.tcp.tcp import TCP
 
 from node.config import SwarmSettings
-
-if TYPE_CHECKING:
-    from node.host import Swarm
+from node.discovery import DhtNode, find_role, provide_forever, role_key
 
 log = logging.getLogger(__name__)
 
@@ -265,6 +263,13 @@ def _conn_kind(conn: Any) -> str:
 # -- the node's reachability -------------------------------------------------------------------------------------
 
 
+class Dialer(DhtNode, Protocol):
+    """What reachability needs of its node (node/host.py's Swarm, which owns the Reachability): discovery's view,
+    and a dial that goes through the allow-list and, failing a direct dial, a relay."""
+
+    async def connect(self, info: PeerInfo, timeout: float = 10.0) -> None: ...
+
+
 @dataclass(frozen=True)
 class ReachOptions:
     """What a node does about reachability (node/runtime.py ``reach_options``: from the ``[swarm]`` knobs, whose
@@ -290,7 +295,9 @@ class Reservation:
 
 
 class Reachability:
-    def __init__(self, swarm: Swarm, options: ReachOptions) -> None:
+    """Built by the Swarm that owns it (it dials through the swarm); ``running`` serves and checks."""
+
+    def __init__(self, swarm: Dialer, options: ReachOptions) -> None:
         self.swarm = swarm
         self.host = swarm.host
         self.options = options
@@ -393,7 +400,18 @@ class Reachability:
         self._host_get_addrs = self.host.get_addrs
         self.host.get_addrs = self.get_addrs  # type: ignore[method-assign]
 
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """Serve dial-backs and relaying, check reachability and keep reservations while the block runs."""
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.run)
+            try:
+                yield
+            finally:
+                nursery.cancel_scope.cancel()
+
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        self.register()
         async with background_trio_service(self.hop), background_trio_service(self.punch):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._check_loop)
@@ -452,8 +470,6 @@ class Reachability:
 
     async def _reserve_loop(self) -> None:
         """While private: hold reservations at ``RELAYS_WANTED`` relays, renewed before they expire."""
-        from node.discovery import find_role, role_key
-
         while True:
             if self.state != PRIVATE:
                 await self._changed.wait()
@@ -515,8 +531,6 @@ class Reachability:
         return all("/ip4/127." in str(a) for a in self.host.get_transport_addrs())
 
     async def _provide_relay(self) -> None:
-        from node.discovery import provide_forever, role_key
-
         while self.state != PUBLIC and not (self.options.assume_public and self.state == UNKNOWN):
             await self._changed.wait()
         log.info("offering relay reservations (%d slots)", self.options.relay_slots)
@@ -578,16 +592,3 @@ class Reachability:
                 "bytes_relayed": self.hop.bytes_relayed,
             }
         return out
-
-
-@asynccontextmanager
-async def open_reachability(swarm: Swarm, options: ReachOptions) -> AsyncIterator[Reachability]:
-    reach = Reachability(swarm, options)
-    reach.register()
-    swarm.reach = reach
-    async with trio.open_nursery() as nursery:
-        await nursery.start(reach.run)
-        try:
-            yield reach
-        finally:
-            nursery.cancel_scope.cancel()

@@ -16,12 +16,14 @@ from node.host import Swarm, bootstrap_peers, join_bootstrap, keep_bootstrap_pee
 from node.identity import load_or_create_key, peer_id_of
 from node.reachability import ReachOptions
 from node.status import status_line, write_status
-from node.weights.gossip import open_gossip
 
 log = logging.getLogger(__name__)
 
 
 class Role(Protocol):
+    """A node's part. Built before the swarm opens (a trainer loads its model first); ``register`` binds it to
+    the swarm once, before ``run`` and ``status`` are called."""
+
     name: str
 
     def register(self, swarm: Swarm) -> None: ...
@@ -79,11 +81,7 @@ async def run_node(config: NodeConfig, role: Role, *, task_status=trio.TASK_STAT
     """Run until cancelled. ``task_status.started`` receives the Swarm once the node has joined."""
     key_pair = load_or_create_key(config.identity_path)
     allow = config.allowed_peers(peer_id_of(key_pair))
-    async with (
-        open_swarm(key_pair, config.listen, psk=config.psk, allow=allow, reach=reach_options(config)) as swarm,
-        open_gossip(swarm.host) as gossip,
-    ):
-        swarm.gossip = gossip
+    async with open_swarm(key_pair, config.listen, psk=config.psk, allow=allow, reach=reach_options(config)) as swarm:
         role.register(swarm)
         others, listed = bootstrap_peers(swarm, config.bootstrap)
         if config.role == "bootstrap" or listed:

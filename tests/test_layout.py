@@ -1,5 +1,5 @@
 """Dependencies point one way: trainer/ never imports node/; bench/ imports no test code; tests share code only
-through tests/helpers.py."""
+through tests/helpers.py; no module of ours imports itself through others."""
 
 from __future__ import annotations
 
@@ -40,6 +40,53 @@ def test_bench_imports_no_test_code():
 
 def test_tests_share_code_only_through_helpers():
     assert offenders("tests", lambda m: m.startswith("tests.") and m != "tests.helpers") == []
+
+
+def first_party_imports(path: Path) -> set[str]:
+    """Every module of ours that ``path`` imports, anywhere in it (function bodies and TYPE_CHECKING blocks too:
+    a lazy import hides a cycle, it does not remove it); ``from a import b`` counts ``a.b`` when that is a module."""
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    if path.name != "__init__.py":
+        package = package.rpartition(".")[0]
+    out = set()
+    for n in ast.walk(ast.parse(path.read_text())):
+        if isinstance(n, ast.Import):
+            out |= {a.name for a in n.names}
+        elif isinstance(n, ast.ImportFrom):
+            base = n.module or ""
+            if n.level:
+                parts = package.split(".")[: len(package.split(".")) - n.level + 1]
+                base = ".".join([*parts, base] if base else parts)
+            out |= {base, *(f"{base}.{a.name}" for a in n.names)}
+    return out
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_the_import_graph_is_acyclic():
+    """Issue 25: node/host -> reachability -> discovery -> host was held together by lazy imports."""
+    paths = {module_name(p): p for folder in ("node", "protocols") for p in (ROOT / folder).rglob("*.py")}
+    graph = {name: sorted(m for m in first_party_imports(p) if m in paths and m != name) for name, p in paths.items()}
+    done: set[str] = set()
+    cycles = []
+
+    def visit(name: str, stack: list[str]) -> None:
+        if name in stack:
+            cycles.append(" -> ".join([*stack[stack.index(name) :], name]))
+            return
+        if name in done:
+            return
+        for dep in graph[name]:
+            visit(dep, [*stack, name])
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])
+    assert graph["node.host"] and graph["node.reachability"], "the walk found no imports: it proves nothing"
+    assert cycles == []
 
 
 def test_torch_is_the_trainer_extra():

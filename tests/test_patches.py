@@ -426,7 +426,6 @@ async def test_versions_travel_as_patches_through_a_swarm(tmp_path, tiny_model_d
     from node.host import open_swarm
     from node.identity import load_or_create_key
     from node.rpc import serve
-    from node.weights.gossip import open_gossip
     from tests.helpers import LOOPBACK, start_bootstrap, start_sampler, start_trainer, wait_until
 
     async with trio.open_nursery() as nursery, AsyncExitStack() as stack:
@@ -463,7 +462,6 @@ async def test_versions_travel_as_patches_through_a_swarm(tmp_path, tiny_model_d
         # a hostile peer that forges every manifest it is asked for; a sampler asking it for a link refuses it
         evil_key = load_or_create_key(tmp_path / "evil.key")
         evil = await stack.enter_async_context(open_swarm(evil_key, LOOPBACK))
-        await stack.enter_async_context(open_gossip(evil.host))
         m2 = trainer.role.store.latest()[2]
 
         async def forge(message, remote):

@@ -13,7 +13,7 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from node.host import open_swarm
 from node.identity import load_or_create_key
 from node.rpc import request, serve
-from node.weights.gossip import announce_topic, open_gossip
+from node.weights.gossip import announce_topic
 from node.weights.manifest import sign_manifest
 from node.weights.store import ChunkStore
 from protocols import weights as w
@@ -74,7 +74,7 @@ async def test_corrupt_chunks_and_forged_manifests_are_refused(tmp_path, tiny_mo
         _, _, m0 = trainer.role.store.latest()
         key = load_or_create_key(tmp_path / "evil.key")
         evil = await stack.enter_async_context(open_swarm(key, LOOPBACK))
-        gossip = await stack.enter_async_context(open_gossip(evil.host))
+        gossip = evil.gossip
         forged = sign_manifest(
             w.Manifest(m0.swarm, 99, 0, m0.encoding, m0.chunk_size, m0.files, m0.tensors),
             KeyPair(key.private_key, key.public_key),
@@ -321,7 +321,7 @@ async def test_announcement_floods_and_replays_do_not_delay_versions(tmp_path, t
 
         await bump()  # version 1: the replayed version 0 is stale
         spammer = await stack.enter_async_context(open_swarm(load_or_create_key(tmp_path / "spam.key"), LOOPBACK))
-        gossip = await stack.enter_async_context(open_gossip(spammer.host))
+        gossip = spammer.gossip
 
         async def hang(message, remote):
             kind, arg = w.parse_request(message)
