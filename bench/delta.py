@@ -53,11 +53,13 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from bench.netlab.topology import lab_unavailable
 from bench.wan import Round, delta_lines, run_lab
 from node.engines import Engine, install, make_engine
+from node.weights.hashes import hash_weights
 from node.weights.manifest import WEIGHTS_FILE
-from node.weights.patch import INTS, UINTS, build_patch, hash_weights, read_layout
+from node.weights.patch import INTS, UINTS, build_patch
 from node.weights.publish import Publisher
 from node.weights.store import ChunkStore
 from protocols.weights import Manifest, SignedManifest
+from protocols.weights_file import read_layout
 from trainer.groups import Group, has_signal
 from trainer.learner import Learner
 from trainer.model import load_model

@@ -57,11 +57,9 @@ def status(d: Path) -> dict:
 
 
 def params_of(model_dir: Path) -> int:
-    from node.weights.manifest import safetensors_layout
+    from protocols.weights_file import read_layout
 
-    _, tensors = safetensors_layout((model_dir / "model.safetensors").read_bytes()[: 1 << 20])
-    sizes = {"F32": 4, "BF16": 2, "F16": 2}
-    return sum(t.nbytes // sizes[t.dtype] for t in tensors)
+    return sum(t.numel for t in read_layout(model_dir / "model.safetensors").tensors)
 
 
 def run_size(root: Path, mparams: int, steps: int, dtype: str, publish_dtype: str = "auto") -> dict:

@@ -125,7 +125,7 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=256)
     ap.add_argument("--workers", type=int, default=4)
     args = ap.parse_args()
-    from node.weights.manifest import chunk_hash
+    from node.weights.hashes import digest
     from node.weights.store import ChunkStore
 
     with TemporaryDirectory() as tmp:
@@ -133,7 +133,7 @@ def main() -> None:
         hashes = []
         for _ in range(args.mb):
             data = os.urandom(CHUNK)
-            h = chunk_hash(data)
+            h = digest(data)
             store.put_hashed(h, data)
             hashes.append(h)
         rows: dict[str, list[dict]] = {"64 KiB frames (py-libp2p)": [], "Noise-sized frames (patched)": []}

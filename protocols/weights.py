@@ -40,6 +40,7 @@ import msgpack
 from protocols import WIRE_VERSION
 from protocols import schema as s
 from protocols.errors import MalformedMessage
+from protocols.weights_file import TensorEntry, element_width, tiling_problem
 
 PROTOCOL_ID = "/swarmrl/weights/1.0.0"
 HASH_LEN = 32
@@ -59,7 +60,6 @@ MANIFEST_FORMAT = 2
 WEIGHTS_FILE = "model.safetensors"
 PATCH_CODECS = ("zlib", "lzma")
 INDEX_GAPS, INDEX_BITMAP = 0, 1
-ELEMENT_WIDTHS = (1, 2, 4, 8)  # bytes per element of a tensor a patch may touch
 
 
 @dataclass(frozen=True)
@@ -67,23 +67,6 @@ class FileEntry:
     path: str
     size: int
     chunks: list[bytes]
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    name: str
-    dtype: str
-    shape: list[int]
-    offset: int  # byte offset of the tensor's data inside its file
-    nbytes: int
-    hash: bytes = b""  # blake3 of the tensor's bytes (format 2; empty in format 1)
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
 
 
 @dataclass(frozen=True)
@@ -285,15 +268,11 @@ def _parse_patch(
         raise s.SchemaError("a version with a full route is its own anchor")
     if not tensors or not all(t.hash for t in tensors):
         raise s.SchemaError("a patched version needs a hash for every tensor")
-    pos = tensors[0].offset
-    if pos < 8:
+    if tensors[0].offset < 8:
         raise s.SchemaError("tensors overlap the safetensors header")
-    for t in tensors:
-        if t.offset != pos:
-            raise s.SchemaError("tensors must tile the weights file in order")
-        pos += t.nbytes
-    if pos != weights_size:
-        raise s.SchemaError("tensors must end where the weights file ends")
+    problem = tiling_problem(tensors, tensors[0].offset, weights_size)
+    if problem is not None:
+        raise s.SchemaError(f"tensors must tile the weights file in order: {problem}")
     deltas = []
     last, total = -1, 0
     for d in s.items(p, "deltas", len(tensors)):
@@ -303,10 +282,9 @@ def _parse_patch(
         if not last < delta.tensor < len(tensors):
             raise s.SchemaError("deltas must name tensors in increasing order")
         t = tensors[delta.tensor]
-        numel = t.numel
-        if numel == 0 or t.nbytes % numel or t.nbytes // numel not in ELEMENT_WIDTHS:
+        if element_width(t) is None:
             raise s.SchemaError(f"tensor {t.name!r} cannot be patched (element width)")
-        if not 1 <= delta.changed <= numel or delta.index_mode not in (INDEX_GAPS, INDEX_BITMAP):
+        if not 1 <= delta.changed <= t.numel or delta.index_mode not in (INDEX_GAPS, INDEX_BITMAP):
             raise s.SchemaError(f"bad delta for tensor {t.name!r}")
         if delta.index_len < 0 or delta.value_len < 0:
             raise s.SchemaError("negative stream length")

@@ -17,7 +17,8 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from node.weights.chain import plan, plan_bytes
-from node.weights.manifest import WEIGHTS_FILE, chunk_sizes, manifest_id, sign_manifest
+from node.weights.hashes import manifest_id
+from node.weights.manifest import WEIGHTS_FILE, chunk_sizes, sign_manifest
 from node.weights.patch import (
     INDEX_BITMAP,
     INDEX_GAPS,
@@ -132,7 +133,8 @@ def test_every_element_width_patches_exactly(tmp_path):
     save_file(new, str(tmp_path / "new.safetensors"))
     built = build_patch(tmp_path / "old.safetensors", tmp_path / "new.safetensors")
     assert built is not None and len(built.deltas) == 4
-    from node.weights.patch import apply_patch, read_layout
+    from node.weights.patch import apply_patch
+    from protocols.weights_file import read_layout
 
     _, layout = read_layout(tmp_path / "new.safetensors")
     from dataclasses import replace
@@ -409,7 +411,7 @@ def test_engines_update_in_place_exactly_as_a_full_reload(bf16_trainer, engine):
 
 
 def test_learner_can_publish_bf16_while_computing_fp32(tmp_path, tiny_model_dir):
-    from node.weights.patch import read_layout
+    from protocols.weights_file import read_layout
     from trainer.learner import Learner
     from trainer.settings import LearnerSettings
 
@@ -571,7 +573,8 @@ def patch_round_trip(tmp_path: Path, old: dict, new: dict, **kw):
 
     from safetensors.numpy import save_file
 
-    from node.weights.patch import apply_patch, read_layout
+    from node.weights.patch import apply_patch
+    from protocols.weights_file import read_layout
 
     save_file(old, str(tmp_path / "old.safetensors"))
     save_file(new, str(tmp_path / "new.safetensors"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -220,3 +221,15 @@ def test_the_manifest_checks_share_the_tiling_and_element_width_rules():
     assert element_width(a) == 4 and element_width(b) == 2
     assert element_width(TensorEntry("c", "F32", [0], 0, 0)) is None
     assert element_width(TensorEntry("d", "X", [2], 0, 6)) is None  # 3 bytes an element: not patchable
+
+
+def test_the_reader_is_the_only_one():
+    """No module parses or writes a safetensors header by hand any more (they all go through weights_file)."""
+    root = Path(__file__).resolve().parents[1]
+    hand = [
+        str(p.relative_to(root))
+        for d in ("node", "trainer", "protocols")
+        for p in (root / d).rglob("*.py")
+        if p.name != "weights_file.py" and ('"<Q"' in p.read_text() or "data_offsets" in p.read_text())
+    ]
+    assert hand == []

@@ -7,10 +7,12 @@ import torch
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
-from node.weights.manifest import ForgedManifest, manifest_id, safetensors_layout, sign_manifest, verify_manifest
+from node.weights.hashes import manifest_id
+from node.weights.manifest import ForgedManifest, sign_manifest, verify_manifest
 from node.weights.publish import Publisher
 from node.weights.store import BadChunk, ChunkStore
 from protocols.weights import SignedManifest
+from protocols.weights_file import parse_header
 from tests.helpers import publish_model
 from trainer.model import load_model
 
@@ -101,7 +103,7 @@ def test_int8_encoding_downloads_a_byte_per_parameter(tmp_path, tiny_model_dir):
     restored = load_model(out)
     for (name, a), b in zip(model.state_dict().items(), restored.state_dict().values(), strict=True):
         assert torch.allclose(a, b, atol=a.abs().max().item() / 100 + 1e-6), name
-    _, tensors = safetensors_layout((out / "model.safetensors").read_bytes())
+    _, tensors = parse_header((out / "model.safetensors").read_bytes())
     assert all(t.dtype == "F32" for t in tensors)
 
 
@@ -164,11 +166,11 @@ def test_two_threads_storing_one_chunk_at_once_both_succeed(tmp_path):
     one temporary file name, and the second rename crashed the sampler in the WAN scenario)."""
     import threading
 
-    from node.weights.manifest import chunk_hash
+    from node.weights.hashes import digest
 
     store = ChunkStore(tmp_path / "s")
     data = bytes(range(256)) * 4096
-    h = chunk_hash(data)
+    h = digest(data)
     errors: list[BaseException] = []
     barrier = threading.Barrier(8)
 

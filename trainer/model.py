@@ -10,15 +10,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from protocols.weights_file import PT_METADATA, encode_header, read_layout, read_span
 from trainer.errors import UserError
 from trainer.model_dir import TOKENIZER_FILES, flatten_rope_theta, inspect_model_dir, require_tokenizer
 
@@ -64,22 +63,10 @@ def write_weights(model: PreTrainedModel, path: Path, dtype: torch.dtype) -> Non
     model into one bytes object, a full extra copy at the trainer's peak."""
     skip = tied_keys(model)
     state = {k: v for k, v in sorted(model.state_dict().items()) if k not in skip}
-    width = torch.empty((), dtype=dtype).element_size()
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, t in state.items():
-        n = t.numel() * width
-        header[name] = {
-            "dtype": SAFETENSORS_DTYPES[dtype],
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + n],
-        }
-        offset += n
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
+    layout = encode_header([(name, SAFETENSORS_DTYPES[dtype], list(t.shape)) for name, t in state.items()], PT_METADATA)
     tmp = path.with_suffix(".tmp")
     with open(tmp, "wb") as fh:
-        fh.write(struct.pack("<Q", len(head)) + head)
+        fh.write(layout.head)
         for t in state.values():
             cpu = t.detach().to("cpu", dtype).contiguous()
             if cpu.numel():
@@ -91,21 +78,14 @@ def load_weights_into(model: PreTrainedModel, path: Path) -> None:
     """Copy a weights file into ``model`` tensor by tensor through one tensor-sized buffer (neither a second copy
     of the model nor a memory map that would count the whole file as resident)."""
     params = model.state_dict()
+    _head, tensors = read_layout(path)
     with open(path, "rb") as fh:
-        (n,) = struct.unpack("<Q", fh.read(8))
-        header = json.loads(fh.read(n))
-        start = 8 + n
-        for name, meta in header.items():
-            if name == "__metadata__":
+        for t in tensors:
+            if not t.nbytes:
                 continue
-            a, b = meta["data_offsets"]
-            if a == b:
-                continue
-            fh.seek(start + a)
-            buf = bytearray(fh.read(b - a))
-            src = torch.frombuffer(buf, dtype=TORCH_DTYPES[meta["dtype"]]).reshape(meta["shape"])
+            src = torch.from_numpy(read_span(fh, t.offset, t.nbytes)).view(TORCH_DTYPES[t.dtype]).reshape(t.shape)
             with torch.no_grad():
-                params[name].copy_(src)
+                params[t.name].copy_(src)
     if model.config.tie_word_embeddings:
         model.tie_weights()
 

@@ -120,7 +120,7 @@ class MlxEngine:
         self._thread.call(self._update, Path(model_dir), version, changes)
 
     def _update(self, model_dir: Path, version: int, changes) -> None:
-        from node.weights.encoding import map_tensors
+        from protocols.weights_file import map_tensors
 
         path = model_dir / "model.safetensors"
         if not path.exists():

@@ -60,7 +60,7 @@ class TorchEngine:
     def update(self, model_dir: Path, version: int, changes) -> None:
         """In place: index writes of the changed elements only, each widened exactly from the version's weights file
         (what ``swap``'s load_state_dict computes for them); tied weights share storage and follow."""
-        from node.weights.encoding import bf16_to_f32, map_tensors
+        from protocols.weights_file import bf16_to_f32, map_tensors
 
         path = Path(model_dir) / "model.safetensors"
         if not path.exists():
@@ -75,6 +75,8 @@ class TorchEngine:
             p = params[name]
             if p.numel() != arr.size or not p.is_contiguous():
                 raise NotUpdatable(f"{name} has another shape")
+            if dtype.startswith("F8_"):  # mapped as their bits, which numpy cannot widen
+                raise NotUpdatable(f"{name} is {dtype}")
             writes.append((p, idx, dtype, arr))
         with torch.no_grad():
             for p, idx, dtype, arr in writes:

@@ -8,55 +8,39 @@ The receiver turns it back into an fp32 safetensors file that stock transformers
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
 
 import numpy as np
 
-from node.weights.patch import read_layout, read_span
-from protocols.weights import TensorEntry
+from protocols.weights_file import (
+    DTYPE_WIDTHS,
+    PT_METADATA,
+    TensorEntry,
+    bf16_to_f32,
+    elements,
+    encode_header,
+    read_layout,
+    read_span,
+)
 
 SCALE_SUFFIX = ".__int8_scale__"
-NUMPY_DTYPES = {
-    "F32": np.float32,
-    "F16": np.float16,
-    "F64": np.float64,
-    "I8": np.int8,
-    "I32": np.int32,
-    "I64": np.int64,
-    "U8": np.uint8,
-    "BOOL": np.bool_,
-}
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
 
 
 def read_float_tensors(path: Path) -> dict[str, np.ndarray]:
     """Every tensor of a safetensors file; BF16 ones widened to float32 (exactly)."""
-    data = Path(path).read_bytes()
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + n])
-    start = 8 + n
+    _head, tensors = read_layout(path)
     out: dict[str, np.ndarray] = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        a, b = meta["data_offsets"]
-        raw = data[start + a : start + b]
-        if meta["dtype"] == "BF16":
-            out[name] = bf16_to_f32(np.frombuffer(raw, dtype="<u2")).reshape(meta["shape"])
-        else:
-            out[name] = np.frombuffer(raw, dtype=NUMPY_DTYPES[meta["dtype"]]).reshape(meta["shape"])
+    with open(path, "rb") as fh:
+        for t in tensors:
+            values = elements(read_span(fh, t.offset, t.nbytes), t)
+            out[t.name] = bf16_to_f32(values) if t.dtype == "BF16" else values
     return out
 
 
-FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
-SAFETENSORS_WIDTH = {"F32": 4, "I8": 1, "I32": 4, "I64": 8, "U8": 1, "BOOL": 1, "F64": 8, "F16": 2, "BF16": 2}
-
-
 def _as_float32(raw: np.ndarray, t: TensorEntry) -> np.ndarray:
-    if t.dtype == "BF16":
-        return bf16_to_f32(raw.view("<u2")).reshape(t.shape)
-    return raw.view(NUMPY_DTYPES[t.dtype]).astype(np.float32).reshape(t.shape)
+    values = elements(raw, t)
+    return bf16_to_f32(values) if t.dtype == "BF16" else values.astype(np.float32)
 
 
 def encode_int8_file(src: Path, dst: Path) -> None:
@@ -71,17 +55,10 @@ def encode_int8_file(src: Path, dst: Path) -> None:
             plan += [(t.name, "I8", t.shape, t, "q"), (t.name + SCALE_SUFFIX, "F32", [t.shape[0]], t, "scale")]
         else:
             plan.append((t.name, "F32" if floating else t.dtype, t.shape, t, "float" if floating else "raw"))
-    plan.sort(key=lambda p: (-SAFETENSORS_WIDTH[p[1]], p[0]))
-    header: dict = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for out, dtype, shape, _src, _part in plan:
-        size = int(np.prod(shape, dtype=np.int64)) * SAFETENSORS_WIDTH[dtype]
-        header[out] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
-        offset += size
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
+    plan.sort(key=lambda p: (-DTYPE_WIDTHS[p[1]], p[0]))
+    layout = encode_header([(out, dtype, shape) for out, dtype, shape, _src, _part in plan], PT_METADATA)
     with open(src, "rb") as fh, open(dst, "wb") as out_fh:
-        out_fh.write(struct.pack("<Q", len(head)) + head)
+        out_fh.write(layout.head)
         for _out, _dtype, _shape, t, part in plan:
             raw = read_span(fh, t.offset, t.nbytes)
             if part == "raw":
@@ -100,28 +77,6 @@ def quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     scale = np.maximum(np.abs(w).max(axis=1) / np.float32(127.0), np.float32(1e-12)).astype(np.float32)
     q = np.clip(np.round(w / scale[:, None]), -127, 127).astype(np.int8)
     return np.ascontiguousarray(q), np.ascontiguousarray(scale)
-
-
-def map_tensors(path: Path) -> dict[str, tuple[str, np.ndarray]]:
-    """Every tensor of a safetensors file as (safetensors dtype, read-only memory-mapped numpy view), without
-    reading the file: BF16 tensors as their uint16 bits. For engines that need a few elements of a new version."""
-    with open(path, "rb") as fh:
-        (n,) = struct.unpack("<Q", fh.read(8))
-        header = json.loads(fh.read(n))
-    mm = np.memmap(path, dtype=np.uint8, mode="r")
-    out: dict[str, tuple[str, np.ndarray]] = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        a, b = meta["data_offsets"]
-        dtype = np.dtype("<u2") if meta["dtype"] == "BF16" else np.dtype(NUMPY_DTYPES[meta["dtype"]])
-        out[name] = (meta["dtype"], mm[8 + n + a : 8 + n + b].view(dtype).reshape(meta["shape"]))
-    return out
-
-
-def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
-    """bf16 bits (uint16) widened exactly to float32."""
-    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 def encode_int8(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

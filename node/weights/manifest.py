@@ -8,48 +8,24 @@ sparse patch of its parent: node/weights/patch.py.)
 from __future__ import annotations
 
 import itertools
-import json
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import blake3
 from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.serialization import deserialize_public_key
 from libp2p.peer.id import ID
 
+from node.weights.hashes import digest
 from protocols.errors import ProtocolError
-from protocols.weights import SIGN_DOMAIN, WEIGHTS_FILE, FileEntry, Manifest, SignedManifest, TensorEntry
+from protocols.weights import SIGN_DOMAIN, WEIGHTS_FILE, FileEntry, Manifest, SignedManifest
+from protocols.weights_file import TensorEntry, read_layout
 
-__all__ = ["WEIGHTS_FILE", "ForgedManifest", "chunk_hash", "chunk_sizes", "cut_model_dir", "manifest_id"]
+__all__ = ["WEIGHTS_FILE", "ForgedManifest", "chunk_sizes", "cut_model_dir"]
 
 
 class ForgedManifest(ProtocolError):
     code = "forged_manifest"
-
-
-def chunk_hash(data: bytes) -> bytes:
-    return blake3.blake3(data).digest()
-
-
-def manifest_id(signed: SignedManifest) -> bytes:
-    return blake3.blake3(signed.body).digest()
-
-
-def safetensors_layout(data: bytes) -> tuple[int, list[TensorEntry]]:
-    """(start of the data region, tensors with absolute offsets) of a safetensors file."""
-    (header_len,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + header_len])
-    start = 8 + header_len
-    tensors = []
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = meta["data_offsets"]
-        tensors.append(TensorEntry(name, meta["dtype"], list(meta["shape"]), start + begin, end - begin))
-    tensors.sort(key=lambda t: t.offset)
-    return start, tensors
 
 
 def cut_ranges(size: int, boundaries: list[int], chunk_size: int) -> list[tuple[int, int]]:
@@ -78,23 +54,22 @@ def cut_model_dir(
     """Cut every file of ``model_dir`` into chunks, handing each (hash, bytes) to ``sink`` as it is cut: a chunk
     at a time is read, so a multi-GB weights file is never held (or mapped) in memory whole. Files named in
     ``skip`` are not cut (nor listed), though the weights file's tensor layout is always read."""
-    files, tensors = [], []
+    files: list[FileEntry] = []
+    tensors: list[TensorEntry] = []
     for path in sorted(p for p in Path(model_dir).iterdir() if p.is_file()):
         size = path.stat().st_size
+        boundaries: list[int] = []
+        if path.name == WEIGHTS_FILE:
+            head, tensors = read_layout(path)
+            boundaries = weights_boundaries(len(head), tensors)
+        if path.name in skip:
+            continue
         with open(path, "rb") as fh:
-            boundaries: list[int] = []
-            if path.name == WEIGHTS_FILE:
-                head = fh.read(8)
-                (n,) = struct.unpack("<Q", head)
-                start, tensors = safetensors_layout(head + fh.read(n))
-                boundaries = weights_boundaries(start, tensors)
-            if path.name in skip:
-                continue
             hashes = []
             for a, b in cut_ranges(size, boundaries, chunk_size):
                 fh.seek(a)
                 piece = fh.read(b - a)
-                h = chunk_hash(piece)
+                h = digest(piece)
                 sink(h, piece)
                 hashes.append(h)
         files.append(FileEntry(path.name, size, hashes))

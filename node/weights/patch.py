@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import lzma
 import shutil
-import struct
 import tempfile
 import zlib
 from collections.abc import Iterator
@@ -27,20 +26,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import blake3
 import numpy as np
 
-from node.weights.manifest import safetensors_layout
+from node.weights.hashes import digest, hash_weights, hasher
 from protocols.errors import ProtocolError
 from protocols.weights import (
-    ELEMENT_WIDTHS,
     INDEX_BITMAP,
     INDEX_GAPS,
     PATCH_CODECS,
     Manifest,
     TensorDelta,
-    TensorEntry,
 )
+from protocols.weights_file import LayoutError, TensorEntry, element_width, read_layout, read_span
 
 BLOCK = 1 << 16  # elements diffed at a time (a multiple of 8): a dense block costs ~90 bytes each in temporaries
 COMPRESS_PIECE = 1 << 20  # raw bytes fed to a compressor at a time
@@ -116,81 +113,10 @@ class BuiltPatch:
         self.spool.close()
 
 
-# -- safetensors layout ---------------------------------------------------------------------------------------
-def read_layout(path: Path) -> tuple[bytes, list[TensorEntry]]:
-    """(header bytes up to the data, tensors sorted by offset with absolute offsets) of a safetensors file."""
-    with open(path, "rb") as fh:
-        head = fh.read(8)
-        if len(head) != 8:
-            raise PatchError(f"{path} is not a safetensors file")
-        (n,) = struct.unpack("<Q", head)
-        if n > 100 << 20:
-            raise PatchError(f"{path}: safetensors header too large")
-        raw = fh.read(n)
-    try:
-        _start, tensors = safetensors_layout(head + raw)
-    except ValueError:
-        raise PatchError(f"{path}: unreadable safetensors header") from None
-    return head + raw, tensors
-
-
+# -- layouts ---------------------------------------------------------------------------------------------------
 def same_layout(a: list[TensorEntry], b: list[TensorEntry]) -> bool:
     key = lambda t: (t.name, t.dtype, list(t.shape), t.offset, t.nbytes)  # noqa: E731
     return len(a) == len(b) and all(key(x) == key(y) for x, y in zip(a, b, strict=True))
-
-
-def tiles(header_len: int, tensors: list[TensorEntry], size: int) -> bool:
-    """Whether the tensors cover the file after its header exactly, in order (so header + tensors = every byte)."""
-    pos = header_len
-    for t in tensors:
-        if t.offset != pos:
-            return False
-        pos += t.nbytes
-    return pos == size
-
-
-def width_of(t: TensorEntry) -> int | None:
-    n = t.numel
-    if n == 0 or t.nbytes % n or t.nbytes // n not in ELEMENT_WIDTHS:
-        return None
-    return t.nbytes // n
-
-
-def hasher(length: int) -> blake3.blake3:
-    """A blake3 hasher for ``length`` bytes: multithreaded above 4 MiB, where it pays."""
-    return blake3.blake3(max_threads=blake3.blake3.AUTO) if length > (4 << 20) else blake3.blake3()
-
-
-def digest(data) -> bytes:
-    h = hasher(len(data))
-    h.update(data)
-    return h.digest()
-
-
-HASH_PIECE = 8 << 20  # bytes read at a time when hashing a file
-
-
-def hash_weights(path: Path, tensors: list[TensorEntry]) -> tuple[bytes, list[bytes]]:
-    """(blake3 of the header region, blake3 of every tensor) of a weights file with this layout. Read a piece at a
-    time into one buffer: a memory map would count every page of a multi-GB file in the trainer's resident set."""
-    if not tensors:
-        return digest(Path(path).read_bytes()), []
-    buf = bytearray(HASH_PIECE)
-    view = memoryview(buf)
-
-    def hash_range(fh, start: int, length: int) -> bytes:
-        h = hasher(length)
-        fh.seek(start)
-        while length > 0:
-            got = fh.readinto(view[: min(length, HASH_PIECE)])
-            if not got:
-                raise TensorMismatch(f"{path} is shorter than its layout")
-            h.update(view[:got])
-            length -= got
-        return h.digest()
-
-    with open(path, "rb") as fh:
-        return hash_range(fh, 0, tensors[0].offset), [hash_range(fh, t.offset, t.nbytes) for t in tensors]
 
 
 # -- varints --------------------------------------------------------------------------------------------------
@@ -326,15 +252,6 @@ def value_limit(width: int, changed: int) -> int:
 
 
 # -- whole files ----------------------------------------------------------------------------------------------------
-def read_span(f, offset: int, nbytes: int) -> np.ndarray:
-    """``nbytes`` bytes of an open file from ``offset``, as a fresh uint8 array."""
-    out = np.empty(nbytes, dtype=np.uint8)
-    f.seek(offset)
-    if f.readinto(memoryview(out)) != nbytes:
-        raise PatchError("weights file shorter than its header says")
-    return out
-
-
 class OverBudget(Exception):
     """The patch grew past the size it was allowed (it would travel as an anchor anyway): building stopped early."""
 
@@ -379,10 +296,7 @@ def _blocks(old_f: BinaryIO, new_f: BinaryIO, t: TensorEntry, width: int, bufs: 
         n = min(step, t.nbytes - a)
         views = []
         for f, buf in zip((old_f, new_f), bufs, strict=True):
-            f.seek(t.offset + a)
-            if f.readinto(memoryview(buf[:n])) != n:
-                raise PatchError("weights file shorter than its header says")
-            views.append(buf[:n])
+            views.append(read_span(f, t.offset + a, n, buf[:n]))
         yield a // width, views[0], views[1]
 
 
@@ -423,24 +337,26 @@ def _diff_tensor(
 
 def build_patch(old_path: Path, new_path: Path, codec: str = "zlib", budget: int | None = None) -> BuiltPatch | None:
     """The patch from ``old_path`` to ``new_path`` (safetensors files), or None when they cannot be patched one into
-    the other (another layout or header, or a changed tensor of an unsupported element width). Raises OverBudget as
-    soon as the patch exceeds ``budget`` bytes (dense changes, e.g. fp32 weights: no need to diff the rest), or once a
-    tenth of the weights is diffed and the patch so far, extrapolated to the whole file, would exceed 1.25 x ``budget``
-    (diffing and compressing a dense 300M-parameter fp32 version took ~100 s on this 2-core box).
+    the other (another layout or header, a malformed weights file, or a changed tensor of an unsupported element
+    width). Raises OverBudget as soon as the patch exceeds ``budget`` bytes (dense changes, e.g. fp32 weights: no need
+    to diff the rest), or once a tenth of the weights is diffed and the patch so far, extrapolated to the whole file,
+    would exceed 1.25 x ``budget`` (diffing and compressing a dense 300M-parameter fp32 version took ~100 s on this
+    2-core box).
 
     It runs beside training, so it holds little: both files are read a block at a time into two reused buffers, and
     the patch is built in temporary files next to ``new_path`` (a few block-sized arrays on the heap, whatever the
     model's size or the patch's)."""
     if BLOCK % 8:
         raise ValueError("BLOCK must be a multiple of 8 (each block's bitmap is whole bytes)")
-    old_head, old_tensors = read_layout(old_path)
-    new_head, new_tensors = read_layout(new_path)
+    try:  # each checked to tile its file exactly (header + tensors = every byte)
+        old_head, old_tensors = read_layout(old_path)
+        new_head, new_tensors = read_layout(new_path)
+    except LayoutError:
+        return None
     old_size, new_size = Path(old_path).stat().st_size, Path(new_path).stat().st_size
-    if old_head != new_head or not same_layout(old_tensors, new_tensors) or old_size != new_size:
+    if old_head != new_head or not same_layout(old_tensors, new_tensors) or old_size != new_size or not new_tensors:
         return None
-    if not new_tensors or not tiles(len(new_head), new_tensors, new_size):
-        return None
-    most = max(w or 1 for w in map(width_of, new_tensors))
+    most = max(w or 1 for w in map(element_width, new_tensors))
     bufs = (np.empty(BLOCK * most, dtype=np.uint8), np.empty(BLOCK * most, dtype=np.uint8))
     spools = _Spools(Path(new_path).parent)
     done = False
@@ -452,7 +368,7 @@ def build_patch(old_path: Path, new_path: Path, codec: str = "zlib", budget: int
             total = sum(t.nbytes for t in new_tensors)
             for i, t in enumerate(new_tensors):
                 spools.reset()
-                width = width_of(t)
+                width = element_width(t)
                 result = _diff_tensor(old_f, new_f, t, width, bufs, spools)
                 if result is None:
                     return None
@@ -491,9 +407,12 @@ def apply_patch(parent_path: Path, out_path: Path, manifest: Manifest, blob: byt
         raise PatchError(f"version {manifest.version} is not a patch")
     if len(blob) != patch.size:
         raise PatchError("patch blob has the wrong size")
-    head, layout = read_layout(parent_path)
     if Path(parent_path).stat().st_size != patch.weights_size:
         raise TensorMismatch("the parent's weights file has another size than the patch expects")
+    try:
+        head, layout = read_layout(parent_path)
+    except LayoutError as exc:  # its bits are not the ones the patch was made against
+        raise TensorMismatch(f"the parent's weights file is unreadable: {exc}") from None
     if not same_layout(layout, manifest.tensors):
         raise TensorMismatch("the parent's weights file has another layout than the patch expects")
     if digest(head) != patch.header_hash:
@@ -507,7 +426,7 @@ def apply_patch(parent_path: Path, out_path: Path, manifest: Manifest, blob: byt
         pos = 0
         for delta in patch.deltas:
             t = manifest.tensors[delta.tensor]
-            width = width_of(t)
+            width = element_width(t)
             if width is None:  # the schema refuses these; never trust that alone
                 raise PatchError(f"tensor {t.name!r} cannot be patched")
             a, b = pos, pos + delta.index_len

@@ -22,10 +22,12 @@ from pathlib import Path
 from libp2p.crypto.keys import KeyPair
 
 from node.weights.encoding import encode_int8_file
-from node.weights.manifest import WEIGHTS_FILE, chunk_hash, cut_model_dir, cut_ranges, sign_manifest
-from node.weights.patch import OverBudget, build_patch, hash_weights, read_layout
+from node.weights.hashes import digest, hash_weights
+from node.weights.manifest import WEIGHTS_FILE, cut_model_dir, cut_ranges, sign_manifest
+from node.weights.patch import OverBudget, build_patch
 from node.weights.store import ChunkStore
 from protocols.weights import Manifest, PatchInfo, SignedManifest
+from protocols.weights_file import read_layout
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +155,7 @@ class Publisher:
             chunks = []
             try:
                 for piece in built.pieces(cut_ranges(built.size, [], self.chunk_size)):
-                    h = chunk_hash(piece)
+                    h = digest(piece)
                     self.store.put_hashed(h, piece)
                     chunks.append(h)
             finally:

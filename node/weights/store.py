@@ -22,7 +22,8 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from node.weights.encoding import decode_int8
-from node.weights.manifest import WEIGHTS_FILE, chunk_hash, cut_ranges, manifest_id, weights_boundaries
+from node.weights.hashes import digest, manifest_id
+from node.weights.manifest import WEIGHTS_FILE, cut_ranges, weights_boundaries
 from node.weights.patch import PatchError, TensorMismatch, WeightChanges, apply_patch
 from protocols.errors import ProtocolError
 from protocols.framing import unpack
@@ -94,7 +95,7 @@ class ChunkStore:
         data = self.read(h)
         if data is None:
             raise MissingChunk(h, what)
-        if chunk_hash(data) != h:
+        if digest(data) != h:
             self.drop(h)
             raise BadChunk(f"chunk {h.hex()[:12]} was damaged on disk; dropped, to be fetched again")
         return data
@@ -105,7 +106,7 @@ class ChunkStore:
 
     def write(self, h: bytes, data: bytes) -> None:
         """Store a chunk after checking that its blake3 matches ``h``; a mismatch raises BadChunk."""
-        if chunk_hash(data) != h:
+        if digest(data) != h:
             raise BadChunk(f"chunk {h.hex()[:12]} failed its blake3 check")
         self.put_hashed(h, data)
 
@@ -269,7 +270,7 @@ class ChunkStore:
             for h, (a, b) in zip(entry.chunks, ranges, strict=True):
                 fh.seek(a)
                 piece = fh.read(b - a)
-                if chunk_hash(piece) != h:
+                if digest(piece) != h:
                     raise TensorMismatch(f"version {manifest.version}'s rebuilt weights differ from its full route")
                 self.put_hashed(h, piece)
 

@@ -29,7 +29,8 @@ from node.strikes import Strikes
 from node.weights.chain import Step, plan, plan_bytes
 from node.weights.fetcher import Download
 from node.weights.gossip import Gossip, announce_topic
-from node.weights.manifest import ForgedManifest, manifest_id, verify_manifest
+from node.weights.hashes import manifest_id
+from node.weights.manifest import ForgedManifest, verify_manifest
 from node.weights.patch import PatchError, TensorMismatch, WeightChanges
 from node.weights.store import BadChunk, ChunkStore
 from protocols import weights as w
