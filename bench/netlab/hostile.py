@@ -210,9 +210,11 @@ class SybilSwarm:
                                     spec.prompt_ids,
                                     lease.sampling.temperature,
                                     lease.sampling.top_p,
-                                    "q4",
+                                    "q8",  # a mode the trainer trains on, so the forgery is checked (and struck)
                                     samples,
                                     DRAW_RULE,
+                                    engine="mlx",
+                                    compute="bf16",
                                 )
                                 ack = RolloutAck.from_wire(
                                     await request(

@@ -56,7 +56,8 @@ class WanSwarm:
     model_dir: Path
     swarm_name: str = "wan"
     trainer_args: list[str] = field(default_factory=list)
-    sampler_args: list[str] = field(default_factory=lambda: ["--engine", "mlx", "--bits", "none"])
+    # MLX int8 computing in bf16: what a Mac runs (the verification limits must hold for it in every scenario)
+    sampler_args: list[str] = field(default_factory=lambda: ["--engine", "mlx", "--bits", "8", "--compute", "bf16"])
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     timeline: list[tuple[float, str, int]] = field(default_factory=list)  # (t, sampler, weights version)
     work: list[tuple[float, str, int]] = field(default_factory=list)  # (t, peer, rollouts accepted / flood refusals)
