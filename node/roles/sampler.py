@@ -66,6 +66,9 @@ class VersionWatch:
 
 class SamplerRole:
     name = "sampler"
+    # bound to the swarm by ``register``, which the runtime calls before ``run`` and ``status`` (node/runtime.py)
+    swarm: Swarm
+    weights: WeightSync
 
     def __init__(self, config: NodeConfig, settings: Settings, engine_factory: Callable[[Path, int], Engine]) -> None:
         if config.trainer_id is None:
@@ -377,5 +380,5 @@ class SamplerRole:
             "stale_waits": self.stale_waits,
             "last_error": self.last_error,
             "trainer_found_by": dict(self.trainer_found_by),
-            **(self.weights.status() if hasattr(self, "weights") else {}),
+            **self.weights.status(),
         }
