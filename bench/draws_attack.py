@@ -67,6 +67,7 @@ class Attack:
         self.task = JsonlTask(self.model_dir / DATASET, "numeric")
         self.model = load_model(self.model_dir).eval()
         self.eos = self.tok.eos_token_id
+        self.inflate = 1.0
 
     def prompt(self, seed: int) -> list[int]:
         return self.codec.encode_prompt(self.task.prompt(seed))
@@ -77,8 +78,13 @@ class Attack:
         return [list(c) for c in r.ids]
 
     def claimed(self, r, draws) -> list[list[float]]:
-        """Replayed logprobs plus the honest sampler's errors (recycled in order): noise like the declared mode's."""
-        errs = [c - d.logprob for cs, ds in zip(r.claimed, r.draws, strict=True) for c, d in zip(cs, ds, strict=True)]
+        """Replayed logprobs plus the honest sampler's errors (recycled in order): noise like the declared mode's;
+        times ``self.inflate`` for an attacker that fakes noise to widen its limits (they scale with it, up to 4x)."""
+        errs = [
+            self.inflate * (c - d.logprob)
+            for cs, ds in zip(r.claimed, r.draws, strict=True)
+            for c, d in zip(cs, ds, strict=True)
+        ]
         out, i = [], 0
         for row in draws:
             vals = []
@@ -173,7 +179,7 @@ class Attack:
         return best
 
     # -- one peer sending a run of groups ------------------------------------------------------------------------
-    def run(self, name: str, make, groups: int, declared: Mode = DECLARED) -> Run:
+    def run(self, name: str, make, groups: int, declared: Mode = DECLARED, cap: float = 1.0) -> Run:
         res = Run(name)
         history, strikes = FlipHistory(), 0
         for i, r in enumerate(self.records[:groups], 1):
@@ -181,7 +187,7 @@ class Attack:
             altered = comps != self.comps(r)
             res.modified += altered
             draws = completion_draws(self.model, [self.prompt(r.seed)] * len(comps), comps, r.temperature, r.top_p)
-            a = assess_group(draws, self.claimed(r, draws), r.seed, declared, r.temperature, r.top_p)
+            a = assess_group(draws, self.claimed(r, draws), r.seed, declared, r.temperature, r.top_p, scale_cap=cap)
             ok = a.ok
             if ok:
                 history, p = sequential_check(history, a.tails, a.limits.expected)
@@ -235,6 +241,10 @@ def attacks(records_by_mode: dict[str, list], groups: int = 200) -> list[str]:
 
     m = min(n, 100)
     lines.append(atk.run("steer", steerer(DECLARED), m).line(m))
+    atk.inflate = 4.0  # logprob errors 4x the honest ones: still inside the class's bounds (3x the worst honest)
+    lines.append(atk.run("k=1, noise x4", lambda r: atk.inject_k(r, 1), n).line(n))
+    lines.append(atk.run("same, cap 4", lambda r: atk.inject_k(r, 1), n, cap=4.0).line(n) + " (--noise-scale-cap 4)")
+    atk.inflate = 1.0
     q4 = Mode("mlx", "fp32", "q4")
     lines.append(f"declaring {q4} to a trainer run with --accept-quant none,q8,q4 (the default refuses q4 unblamed):")
     lines.append(atk.run("inject-all", lambda r: atk.inject(r, lambda k: True), n, q4).line(n))

@@ -58,6 +58,11 @@ class TrainerSettings:
         "sampler weight quantizations trained on, comma-separated (none, q8, q4): int4 noise is too wide to verify "
         "tightly, so q4 is off unless named",
     )
+    noise_scale_cap: float = knob(
+        1.0,
+        "widen a group's verification limits with the noise its logprobs show, up to this factor (for models "
+        "noisier than the calibration one; a cheater faking noise gains the same factor)",
+    )
     max_open_leases: int = knob(4, "leases one peer may hold before it must return groups")
     newcomer_rate: float = knob(4.0, "groups/s shared by all peers without an accepted record (Sybil bound)")
     trusted_after: int = knob(4, "accepted groups after which a peer stops drawing from the newcomer budget")

@@ -19,6 +19,7 @@ from node.intake.noise import (
     group_limits,
     measured_noise,
     noise_class,
+    noise_scale,
     poisson_sf,
     poisson_upper,
     sequential_check,
@@ -120,3 +121,13 @@ def test_a_cheater_with_exact_logprobs_gets_fp32_limits_whatever_it_declares():
     noisy = [[x + (0.02 if i % 2 else -0.02) for i, x in enumerate(exact[0])]]  # bf16-like logprob noise
     as_noisy = assess_group(draws, noisy, seed, declared, 1.0, 1.0)
     assert as_noisy.cls == "q8/bf16" and as_noisy.ok, as_noisy.reason()
+
+
+def test_limits_widen_with_measured_noise_only_as_far_as_the_trainer_allows():
+    cls = noise_class("q8/bf16")
+    assert noise_scale(None, cls, 4.0) == 1.0 and noise_scale(cls.noise_ref / 2, cls, 4.0) == 1.0
+    assert noise_scale(3 * cls.noise_ref, cls, 4.0) == pytest.approx(3.0)
+    assert noise_scale(10 * cls.noise_ref, cls, 4.0) == 4.0 and noise_scale(10 * cls.noise_ref, cls) == 1.0
+    base = group_limits("m", "q8/bf16", cls, 50.0, 1.0, 1.0)
+    wide = group_limits("m", "q8/bf16", cls, 50.0, 1.0, 1.0, scale=3.0)
+    assert wide.log_odds > 2 * base.log_odds and wide.expected == pytest.approx(3 * base.expected)

@@ -69,7 +69,16 @@ class RolloutIntake:
         if unknown or not accept:
             raise UserError(f"--accept-quant {s.accept_quant!r}: name one or more of {', '.join(QUANT_MODES)}")
         self.verifier = RolloutVerifier(
-            task, self.leases, score, completion_text, eos_ids, s.max_staleness, accept, scorer_floor, MAX_PEERS_TRACKED
+            task,
+            self.leases,
+            score,
+            completion_text,
+            eos_ids,
+            s.max_staleness,
+            accept,
+            scorer_floor,
+            MAX_PEERS_TRACKED,
+            s.noise_scale_cap,
         )
         self.strikes = Strikes(s.max_strikes)
         self.work_limit = PeerRateLimiter(s.work_rate, s.work_burst)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from node.intake.noise import (
+    NOISE_SCALE_CAP,
     GroupLimits,
     Mode,
     effective_class,
@@ -173,6 +174,7 @@ def assess_group(
     top_p: float,
     scorer_floor: str | None = None,
     sample_indices: Sequence[int] | None = None,
+    scale_cap: float = NOISE_SCALE_CAP,
 ) -> Assessment:
     """Check one group as the trainer does: ``draws`` its replay, ``claimed`` the sampler's logprobs. The noise class
     is the declared mode's, or none/fp32 when the logprobs are fp32-quiet (a peer cannot pick its own limits);
@@ -187,7 +189,7 @@ def assess_group(
         cls = floor_class(cls, noise_class(scorer_floor))
         cls_name = f"{cls_name}+{scorer_floor} scorer"
     exposure = sum(d.exposure for row in draws for d in row)
-    scale = noise_scale(noise, cls)
+    scale = noise_scale(noise, cls, scale_cap)
     limits = group_limits(str(mode), cls_name, cls, exposure, temperature, top_p, scale)
     checked = check_draws(draws, seed, Tolerance(limits.log_odds, limits.absolute), limits.budget, sample_indices)
     tail = cls.tail(top_p)

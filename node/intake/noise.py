@@ -23,9 +23,9 @@ engine does not matter (torch and MLX in fp32 agree to ~1e-6), and each class ha
 - the claimed-vs-replayed logprob error: bounds on a group's mean and max, and the TIS clamp.
 - ``noise_ref``: the class's median *normalised* logprob noise (``measured_noise``). A group whose logprobs show
   more (a bigger model's logits are noisier in bf16 than the small calibration model's) gets its shift and tail
-  scaled by the ratio, capped at NOISE_SCALE_CAP = 4: limits follow the noise each peer actually shows, and a
-  peer that fakes noise to widen them gains at most that factor (its logprobs still face the class's bounds, and
-  the TIS clamp takes its fake noise out of the loss).
+  scaled by the ratio, capped by the trainer's ``--noise-scale-cap`` (default 1: no widening). Limits can then
+  follow the noise each peer shows, but a peer that fakes noise widens its own by the same factor (its logprobs
+  still face the class's bounds, and the TIS clamp takes the fake noise out of the loss): see ``noise_scale``.
 
 Per group, with failure probability EPSILON = 1e-6 for an honest sampler of the class (split between the two):
 
@@ -68,7 +68,7 @@ COMPUTES = ("fp32", "bf16", "fp16")
 ENGINES = ("mlx", "torch")
 DEFAULT_ACCEPT = ("none", "q8")  # quantizations a trainer accepts unless told otherwise: int4 is not trained on
 HARD_MARGIN = 3.0  # the per-group tolerance never exceeds this multiple of the largest honest flip measured
-NOISE_SCALE_CAP = 4.0  # a group's limits widen with its measured noise up to this multiple of its class's
+NOISE_SCALE_CAP = 1.0  # default --noise-scale-cap: how far a group's limits may widen with its measured noise
 
 
 @dataclass(frozen=True)
@@ -198,13 +198,16 @@ def floor_class(cls: NoiseClass, floor: NoiseClass) -> NoiseClass:
     )
 
 
-def noise_scale(noise: float | None, cls: NoiseClass) -> float:
+def noise_scale(noise: float | None, cls: NoiseClass, cap: float = NOISE_SCALE_CAP) -> float:
     """How much noisier than the calibration model this group's logits look: its normalised logprob noise over the
-    class's median, between 1 and NOISE_SCALE_CAP. A bigger model (deeper, larger activations) computed in bf16
-    shows larger logit errors than the small calibration model; its flips and their distances grow with them."""
+    class's median, between 1 and ``cap``. A bigger model (deeper, larger activations) computed in bf16 shows
+    larger logit errors than the small calibration model; its flips and their distances grow with them. But a peer
+    can fake noise in its logprobs (within the class's bounds) to widen its own limits by the same factor, so the
+    default cap is 1: measured on the calibration model, honest groups need no widening (0 refused at 1), while a
+    one-token injector faking 4x noise got 50 groups accepted before its ban at cap 4 against 4 at cap 1."""
     if noise is None or cls.noise_ref <= 0:
         return 1.0
-    return min(max(noise / cls.noise_ref, 1.0), NOISE_SCALE_CAP)
+    return min(max(noise / cls.noise_ref, 1.0), max(cap, 1.0))
 
 
 def poisson_upper(lam: float, eps: float) -> int:

@@ -61,6 +61,7 @@ class RolloutVerifier:
         accept: tuple[str, ...] = DEFAULT_ACCEPT,
         scorer_floor: str | None = None,
         max_peers: int = 10_000,
+        scale_cap: float = 1.0,
     ) -> None:
         self.task = task
         self.leases = leases
@@ -71,6 +72,7 @@ class RolloutVerifier:
         self.accept = accept  # weight quantizations trained on (--accept-quant)
         self.scorer_floor = scorer_floor  # the scorer's own noise class (a bf16 scorer: none/bf16), or None
         self.max_peers = max_peers
+        self.scale_cap = scale_cap  # --noise-scale-cap (node/intake/noise.py noise_scale)
         self.modes: dict[str, Mode] = {}  # the mode each peer declared first (insertion order: oldest first)
         self.history: dict[str, FlipHistory] = {}  # each peer's near-boundary flips against honest expectation
         self.last_limits: dict[str, str] = {}  # per peer, the limits its latest refusal for forgery named
@@ -141,8 +143,9 @@ class RolloutVerifier:
             raise Rejected(f"version {g.version} is no longer kept for verification")
         self.scored_tokens += sum(len(p) + len(c) for p, c in zip(prompts, comps, strict=True))
         mode = Mode(g.engine, g.compute, g.quant)
+        claimed = [s.logprobs for s in g.samples]
         verdict = assess_group(
-            draws, [s.logprobs for s in g.samples], g.seed, mode, g.temperature, g.top_p, self.scorer_floor
+            draws, claimed, g.seed, mode, g.temperature, g.top_p, self.scorer_floor, scale_cap=self.scale_cap
         )
         return [[d.logprob for d in row] for row in draws], verdict
 
