@@ -47,9 +47,12 @@ MODES: dict[str, tuple[str, int | None, str]] = {
     "torch-bf16": ("torch", None, "bf16"),
     "q4-fp32": ("mlx", 4, "fp32"),
     "q4-bf16": ("mlx", 4, "bf16"),
+    # versions that travel int8 rowwise (--weights-encoding int8): the sampler runs the decoded weights
+    "wire8-fp32": ("mlx", None, "fp32"),
+    "wire8-q8-bf16": ("mlx", 8, "bf16"),
 }
 SETTINGS = ((1.0, 1.0), (0.6, 1.0), (1.0, 0.9), (0.6, 0.9))
-FAST = {"torch-fp32", "mlx-fp32", "q8-fp32", "q4-fp32"}  # fp32 matmuls: ~4x faster than bf16 on this CPU
+FAST = {"torch-fp32", "mlx-fp32", "q8-fp32", "q4-fp32", "wire8-fp32"}  # fp32 matmuls: ~4x faster than bf16 on this CPU
 
 
 def groups_for(mode: str, setting: tuple[float, float], scale: float) -> int:
@@ -78,10 +81,29 @@ class Record:
     ids: list = field(default_factory=list)  # per sample: the completion's token ids
 
 
+def int8_wire_copy(model_dir: Path) -> Path:
+    """The model dir as a sampler holds it after an int8-rowwise transfer: weights encoded and decoded."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    from node.weights.encoding import decode_int8, encode_int8, read_float_tensors
+
+    out = OUT / "wire8-model"
+    if not (out / "model.safetensors").exists():
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.copytree(model_dir, out)
+        state = read_float_tensors(model_dir / "model.safetensors")
+        save_file(decode_int8(encode_int8(state)), str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 def make_engine(mode: str, model_dir: Path):
     from node.engines.mlx_engine import MlxEngine
     from node.engines.torch_engine import TorchEngine
 
+    if mode.startswith("wire8"):
+        model_dir = int8_wire_copy(model_dir)
     engine, bits, compute = MODES[mode]
     if engine == "torch":
         return TorchEngine(model_dir, batch_size=CHUNK * G, compute=compute)

@@ -39,7 +39,17 @@ MODE_OF = {
     "torch-bf16": Mode("torch", "bf16", "none"),
     "q4-fp32": Mode("mlx", "fp32", "q4"),
     "q4-bf16": Mode("mlx", "bf16", "q4"),
+    # samplers on versions that travel int8 rowwise: measured as their own class, "wire8/<compute>", and checked
+    # as the trainer does, the declared mode's class floored at it
+    "wire8-fp32": Mode("mlx", "fp32", "none"),
+    "wire8-q8-bf16": Mode("mlx", "bf16", "q8"),
 }
+TRANSPORT = {"wire8-fp32": "wire8", "wire8-q8-bf16": "wire8"}
+
+
+def class_of(mode: str) -> str:
+    m = MODE_OF[mode]
+    return f"{TRANSPORT[mode]}/{m.compute}" if mode in TRANSPORT else m.noise_class
 
 
 @dataclass
@@ -60,7 +70,7 @@ class Stats:
 def collect(records_by_mode: dict[str, list]) -> dict[str, Stats]:
     by_class: dict[str, Stats] = defaultdict(Stats)
     for mode, records in records_by_mode.items():
-        st = by_class[MODE_OF[mode].noise_class]
+        st = by_class[class_of(mode)]
         for r in records:
             everything = check_draws(r.draws, r.seed, Tolerance(MAX_ALT_MARGIN, 0.0), budget=1 << 30)
             devs = everything.flips + everything.forged
@@ -143,7 +153,7 @@ def check_all(records_by_mode: dict[str, list]) -> list[str]:
         classes: dict[str, int] = defaultdict(int)
         budget_hi, tols = 0, []
         for r in records:
-            a = assess_group(r.draws, r.claimed, r.seed, m, r.temperature, r.top_p)
+            a = assess_group(r.draws, r.claimed, r.seed, m, r.temperature, r.top_p, transport=TRANSPORT.get(mode))
             classes[a.cls] += 1
             budget_hi = max(budget_hi, a.limits.budget)
             tols.append(a.limits.log_odds)

@@ -76,7 +76,7 @@ async def test_dashboard_shows_the_live_swarm_in_a_browser(tmp_path, tiny_model_
         assert rows[str(trainer.swarm.peer_id)]["role"] == "trainer"
         for s in samplers:
             row = rows[str(s.swarm.peer_id)]
-            assert row["role"] == "sampler" and row["engine"] == "torch/torch"
+            assert row["role"] == "sampler" and row["engine"] == "torch/fp32/none"  # engine/compute/quant
             assert row["accepted"] == role.intake.ledger.accepted_by_peer[str(s.swarm.peer_id)] > 0
             assert 0 <= row["version"] <= role.learner.version and row["strikes"] == 0
             assert str(s.swarm.peer_id) in state["versions"]

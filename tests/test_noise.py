@@ -131,3 +131,19 @@ def test_limits_widen_with_measured_noise_only_as_far_as_the_trainer_allows():
     base = group_limits("m", "q8/bf16", cls, 50.0, 1.0, 1.0)
     wide = group_limits("m", "q8/bf16", cls, 50.0, 1.0, 1.0, scale=3.0)
     assert wide.log_odds > 2 * base.log_odds and wide.expected == pytest.approx(3 * base.expected)
+
+
+def test_lossy_transport_floors_every_sampler_at_its_own_noise():
+    """Versions that travel int8 rowwise (--weights-encoding int8) put their rounding under every sampler, even
+    one that runs them in fp32 without quantizing: the trainer checks each group at least at that noise."""
+    seed, n = 3, 40
+    draws = draws_for(seed, n, 0.2)
+    exact = [[x.logprob for x in draws[0]]]
+    fp32 = Mode("mlx", "fp32", "none")
+    plain = assess_group(draws, exact, seed, fp32, 1.0, 1.0)
+    wired = assess_group(draws, exact, seed, fp32, 1.0, 1.0, transport="wire8")
+    assert plain.cls == "none/fp32" and wired.cls == "none/fp32+wire8/fp32 transport"
+    assert wired.limits.log_odds > plain.limits.log_odds and wired.logprob_bounds > plain.logprob_bounds
+    assert wired.tis_clamp >= noise_class("wire8/fp32").tis_clamp
+    # an fp16 sampler on a wire8 swarm: a class never measured falls back to the noisiest one measured
+    assert assess_group(draws, exact, seed, Mode("mlx", "fp16", "q8"), 1.0, 1.0, transport="wire8").ok

@@ -57,9 +57,11 @@ class RolloutIntake:
         journal_dir: Path,
         settings: TrainerSettings,
         scorer_floor: str | None = None,
+        transport: str | None = None,
     ) -> None:
         """``scorer_floor``: the noise class of the trainer's own scoring arithmetic when it is not fp32 (a bf16
-        scorer: "none/bf16"), which every sampler's limits must then allow for too."""
+        scorer: "none/bf16"), which every sampler's limits must then allow for too; ``transport``: "wire8" when
+        versions travel int8 rowwise (samplers run the decoded, lossy weights)."""
         s = settings
         self.settings = settings
         sampling = SamplingParams(s.temperature, s.top_p, s.max_tokens)
@@ -79,6 +81,7 @@ class RolloutIntake:
             scorer_floor,
             MAX_PEERS_TRACKED,
             s.noise_scale_cap,
+            transport,
         )
         self.strikes = Strikes(s.max_strikes)
         self.work_limit = PeerRateLimiter(s.work_rate, s.work_burst)

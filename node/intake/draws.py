@@ -140,6 +140,7 @@ class Assessment:
     draws: DrawCheck
     logprob_bounds: tuple[float, float]
     tails: tuple[float, ...] = ()  # per flip, the share of honest flips as far out (NoiseClass.tail)
+    tis_clamp: float = 0.01  # the applied class's: how far the loss may trust the claimed logprobs
 
     @property
     def logprobs_ok(self) -> bool:
@@ -175,10 +176,13 @@ def assess_group(
     scorer_floor: str | None = None,
     sample_indices: Sequence[int] | None = None,
     scale_cap: float = NOISE_SCALE_CAP,
+    transport: str | None = None,
 ) -> Assessment:
     """Check one group as the trainer does: ``draws`` its replay, ``claimed`` the sampler's logprobs. The noise class
     is the declared mode's, or none/fp32 when the logprobs are fp32-quiet (a peer cannot pick its own limits);
-    a bf16 scorer (``scorer_floor``) floors every class at its own noise."""
+    a bf16 scorer (``scorer_floor``) floors every class at its own noise, and so does a lossy ``transport`` of the
+    versions ("wire8": int8 rowwise, whose decoded weights every sampler runs) at its class for the group's
+    compute dtype."""
     replayed = [d.logprob for row in draws for d in row]
     flat_claimed = [c for row in claimed for c in row]
     diffs = [abs(a - b) for a, b in zip(flat_claimed, replayed, strict=True)]
@@ -188,6 +192,10 @@ def assess_group(
     if scorer_floor is not None:
         cls = floor_class(cls, noise_class(scorer_floor))
         cls_name = f"{cls_name}+{scorer_floor} scorer"
+    if transport is not None:
+        wire = f"{transport}/{mode.compute}"
+        cls = floor_class(cls, noise_class(wire))
+        cls_name = f"{cls_name}+{wire} transport"
     exposure = sum(d.exposure for row in draws for d in row)
     scale = noise_scale(noise, cls, scale_cap)
     limits = group_limits(str(mode), cls_name, cls, exposure, temperature, top_p, scale)
@@ -204,4 +212,5 @@ def assess_group(
         checked,
         (cls.logprob_mean, cls.logprob_max),
         tails,
+        cls.tis_clamp,
     )

@@ -171,6 +171,12 @@ NOISE: dict[str, NoiseClass] = {
     "none/fp16": NoiseClass(
         Tail(0.000236, 0.00232, 1, 4, 0.005), Tail(0.000236, 0.00232, 1, 4, 0.005), 0.00335, 0.032, 0.01, 0.00105
     ),
+    "wire8/fp32": NoiseClass(
+        Tail(0.00112, 0.0086, 0.101, 1.24, 0.139), Tail(0.00112, 0.0274, 1, 1.24, 0.139), 0.027, 0.439, 0.0132, 0.00327
+    ),
+    "wire8/bf16": NoiseClass(
+        Tail(0.00692, 0.08, 0.1, 2.22, 0.459), Tail(0.00692, 0.105, 0.101, 0.989, 18.5), 0.208, 2.22, 0.164, 0.0512
+    ),
 }
 QUIET = 2e-5  # fp32 samplers' normalised logprob noise stays below this (measured max 2.2e-6, x 10)
 

@@ -22,7 +22,7 @@ import trio
 
 from node.intake.draws import Assessment, assess_group
 from node.intake.leases import LeaseBook
-from node.intake.noise import DEFAULT_ACCEPT, EPSILON, FlipHistory, Mode, noise_class, sequential_check
+from node.intake.noise import DEFAULT_ACCEPT, EPSILON, FlipHistory, Mode, sequential_check
 from protocols.draw import RULE as DRAW_RULE
 from protocols.draw import TokenDraw
 from protocols.rollouts import RolloutGroup
@@ -62,6 +62,7 @@ class RolloutVerifier:
         scorer_floor: str | None = None,
         max_peers: int = 10_000,
         scale_cap: float = 1.0,
+        transport: str | None = None,
     ) -> None:
         self.task = task
         self.leases = leases
@@ -73,6 +74,7 @@ class RolloutVerifier:
         self.scorer_floor = scorer_floor  # the scorer's own noise class (a bf16 scorer: none/bf16), or None
         self.max_peers = max_peers
         self.scale_cap = scale_cap  # --noise-scale-cap (node/intake/noise.py noise_scale)
+        self.transport = transport  # "wire8" when versions travel int8 rowwise: samplers run lossy weights
         self.modes: dict[str, Mode] = {}  # the mode each peer declared first (insertion order: oldest first)
         self.history: dict[str, FlipHistory] = {}  # each peer's near-boundary flips against honest expectation
         self.last_limits: dict[str, str] = {}  # per peer, the limits its latest refusal for forgery named
@@ -145,7 +147,15 @@ class RolloutVerifier:
         mode = Mode(g.engine, g.compute, g.quant)
         claimed = [s.logprobs for s in g.samples]
         verdict = assess_group(
-            draws, claimed, g.seed, mode, g.temperature, g.top_p, self.scorer_floor, scale_cap=self.scale_cap
+            draws,
+            claimed,
+            g.seed,
+            mode,
+            g.temperature,
+            g.top_p,
+            self.scorer_floor,
+            scale_cap=self.scale_cap,
+            transport=self.transport,
         )
         return [[d.logprob for d in row] for row in draws], verdict
 
@@ -166,10 +176,7 @@ class RolloutVerifier:
         self.history[remote] = history
         while len(self.history) > self.max_peers:
             del self.history[next(iter(self.history))]
-        clamp = noise_class(verdict.cls.split("+")[0]).tis_clamp
-        if self.scorer_floor is not None:
-            clamp = max(clamp, noise_class(self.scorer_floor).tis_clamp)
-        return clamp
+        return verdict.tis_clamp
 
     def _note_limits(self, remote: str, verdict: Assessment) -> None:
         self.last_limits.pop(remote, None)

@@ -90,6 +90,7 @@ class TrainerRole:
             scorer_floor={"torch.bfloat16": "none/bf16", "torch.float16": "none/fp16"}.get(
                 str(self.learner.precision.compute)
             ),
+            transport="wire8" if self.weights.encoding == "int8" else None,
         )
         self.checkpoint_path = config.data_dir / "trainer.ckpt"
         self.metrics_path = config.data_dir / "metrics.jsonl"
