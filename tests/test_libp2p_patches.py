@@ -147,10 +147,18 @@ def frequent_pings(monkeypatch):
 
 
 async def test_stock_yamux_deadlocks_when_both_peers_push(frequent_pings):
+    """The lock is a race (a pong written while both pipes are full): it usually comes within a push, and on a
+    loaded box a push sometimes slips through; three tries, any one stalling, reproduce it (the patched loop never
+    stalls: the next test)."""
+    moved = []
     with libp2p_patches.disabled():
-        received, expected, _ = await push_both_ways(stall_after=4.0, limit=20.0)
+        for _ in range(3):
+            received, expected, _ = await push_both_ways(stall_after=4.0, limit=20.0)
+            moved.append(received)
+            if received < expected // 2:
+                break
     # both read loops sit in _write_frame (a pong) behind a writer parked in a full socket: nothing moves, ever
-    assert received < expected // 2, f"stock py-libp2p was expected to stall, yet moved {received} of {expected} B"
+    assert moved[-1] < expected // 2, f"stock py-libp2p was expected to stall, yet moved {moved} of {expected} B"
 
 
 async def test_patched_yamux_completes_when_both_peers_push(frequent_pings):
