@@ -161,3 +161,19 @@ def test_killed_trainer_resumes_and_samplers_reconnect(tmp_path, tiny_model_dir)
             p.terminate()
         for p in procs:
             p.wait(timeout=20)
+
+
+def test_a_restarted_trainer_skips_versions_it_named_but_never_published(tmp_path, tiny_model_dir):
+    """Versions are published in the background after they are named (and their weights file written): a trainer
+    killed in between had used the number, published or not. On restart it continues after the highest named."""
+    from node.local_swarm import node_config, settings
+    from node.roles.trainer import TrainerRole
+
+    cfg = node_config(tmp_path, "trainer", "trainer")
+    s = settings(learner={"model_dir": tiny_model_dir})
+    first = TrainerRole(cfg, s)
+    for _ in range(3):
+        first.learner.new_version()  # named and written, never published (no swarm)
+    assert first.learner.version == 3 and first.store.latest() is None
+    again = TrainerRole(cfg, s)
+    assert again.learner.version == 4

@@ -27,6 +27,9 @@ class Scorer:
         self.keep = keep
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        # versions already on disk when this scorer started: a restarted trainer's, named before it crashed (the
+        # learner names version 0 next, which forgets them)
+        self.found_at_start = self.kept()
         self.token_budget = token_budget
         self._loaded: int | None = None
         self._lock = threading.Lock()

@@ -110,19 +110,21 @@ class TrainerRole:
         self._restore()
 
     def _restore(self) -> None:
+        # versions named before a crash: their weights files are written as they are named, before publishing
+        # (which runs in the background and may not have finished)
+        named = max(self.learner.scorer.found_at_start, default=-1)
         saved = load_checkpoint(self.checkpoint_path)
         if saved is not None:
             self.learner.restore(saved)
             log.info("resumed from %s at step %d, version %d", self.checkpoint_path, saved["step"], saved["version"])
         self.intake.start(saved)
         published = self.store.latest()
-        if published is not None and published[2].version > self.learner.version:
-            # published after the last checkpoint, then lost in a crash: never reuse a version number
-            self.learner.skip_to_version(published[2].version + 1)
+        last = max(named, published[2].version if published is not None else -1)
+        if last > self.learner.version:
+            # named or published after the last checkpoint, then lost in a crash: never reuse a version number
+            self.learner.skip_to_version(last + 1)
             log.info(
-                "versions up to %d were published before a restart; continuing as version %d",
-                published[2].version,
-                self.learner.version,
+                "versions up to %d were named before a restart; continuing as version %d", last, self.learner.version
             )
 
     # -- the network side --------------------------------------------------------------------------------
