@@ -4,7 +4,7 @@ from a measured noise model rather than set as one threshold per declared quanti
 THE MODEL
 =========
 A sampler declares its mode: engine (mlx, torch), compute dtype (fp32, bf16, fp16) and weight quantization (none,
-q8, q4). The trainer decides which modes it accepts (``--accept-modes``; default: every mode without int4) and
+q8, q4). The trainer decides which quantizations it trains on (``--accept-quant``; default none,q8: no int4) and
 binds a peer to the mode it declared first. The *noise class* of a mode is (quantization, compute dtype): the
 engine does not matter (torch and MLX in fp32 agree to ~1e-6), and each class has measured parameters
 (bench/draws.py on the realistic trained model, bench/results/draws.txt):
@@ -63,10 +63,6 @@ from dataclasses import dataclass
 EPSILON = 1e-6  # an honest sampler's false-strike probability per group
 RATE_MARGIN = 2.0  # kappa: honest flip rates up to this multiple of the calibration are covered
 ABSOLUTE = 1e-4  # float arithmetic near 0 and 1 (an MLX draw on Metal is float32): always admitted
-QUANTS = ("none", "q8", "q4")
-COMPUTES = ("fp32", "bf16", "fp16")
-ENGINES = ("mlx", "torch")
-DEFAULT_ACCEPT = ("none", "q8")  # quantizations a trainer accepts unless told otherwise: int4 is not trained on
 HARD_MARGIN = 3.0  # the per-group tolerance never exceeds this multiple of the largest honest flip measured
 NOISE_SCALE_CAP = 1.0  # default --noise-scale-cap: how far a group's limits may widen with its measured noise
 

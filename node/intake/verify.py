@@ -22,7 +22,7 @@ import trio
 
 from node.intake.draws import Assessment, assess_group
 from node.intake.leases import LeaseBook
-from node.intake.noise import DEFAULT_ACCEPT, EPSILON, FlipHistory, Mode, sequential_check
+from node.intake.noise import EPSILON, FlipHistory, Mode, sequential_check
 from protocols.draw import RULE as DRAW_RULE
 from protocols.draw import TokenDraw
 from protocols.rollouts import RolloutGroup
@@ -58,7 +58,7 @@ class RolloutVerifier:
         completion_text: Callable[[list[int]], str],
         eos_ids: tuple[int, ...],
         max_staleness: int,
-        accept: tuple[str, ...] = DEFAULT_ACCEPT,
+        accept: tuple[str, ...],
         scorer_floor: str | None = None,
         max_peers: int = 10_000,
         scale_cap: float = 1.0,
