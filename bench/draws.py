@@ -1,18 +1,20 @@
 """bench/draws: honest noise of every sampler mode on a trained model, the verification limits it implies, and the
 attacker's side of the same limits.
 
-    .venv/bin/python bench/draws.py measure [--scale 1.0] [--modes q8-bf16,...]   # sample + replay, ~1 h at scale 1
-    .venv/bin/python bench/draws.py report                                         # fit, check, attack (minutes)
+    .venv/bin/python bench/draws.py measure [--scale 1.0] [--modes q8-bf16,...]  # sample + replay: ~75 min here
+    .venv/bin/python bench/draws.py report [--write] [--no-attack]                # fit, check, attack: ~8 min
 
 ``measure``: honest samplers of every engine x compute dtype x quantization (MLX fp32/bf16/fp16 compute with
-none/int8/int4 weights, torch fp32/bf16) sample GRPO groups (G=8, max_tokens=16) of the realistic model's own task
-(trainer/realistic_model.py: a trained Llama, peaked distributions) at temperatures 0.6/1.0 and top_p 1.0/0.9; the
-trainer replays every token in float64 from the fp32 version (trainer/draws.py). Each group's replayed draws and
-claimed logprobs are kept in runs/draws/<mode>.pkl, so every later step is a pure function of the records.
+none/int8/int4 weights, torch fp32/bf16; and on versions that travel int8 rowwise) sample GRPO groups (G=8,
+max_tokens=16) of the realistic model's own task (trainer/realistic_model.py: a trained Llama, peaked distributions)
+at temperatures 0.6/1.0 and top_p 1.0/0.9; the trainer replays every token in float64 from the fp32 version
+(trainer/draws.py). Each group's replayed draws and claimed logprobs are kept in runs/draws/<mode>.pkl, so every
+later step is a pure function of the records.
 
 ``report`` (bench/results/draws.txt): per mode, the flips (tokens outside their replayed interval) against the
 exposure the trainer computes (node/intake/noise.py), the flip distances in log-odds scaled by temperature, the
-logprob error; the limits node/intake/noise.py derives and the groups they refuse (target 0); then attackers
+logprob error; the fitted table (``--write`` puts it into node/intake/noise.py), the groups its limits refuse
+(target 0) and each mode's groups run as one peer's history through the sequential test; then attackers
 replayed against the same records: an injector that picks k tokens per group, a steerer that picks the best token
 among those the tolerance admits, mixed and all-answer injectors; how many groups until the first strike and the
 ban, and the reward gained meanwhile.
