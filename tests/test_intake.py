@@ -311,3 +311,26 @@ async def test_a_completion_cut_short_is_forged(tmp_path):
     sample["completion_ids"] = [*sample["completion_ids"][:-1], 10]
     sample["finish_reason"] = "length"
     assert (await intake.submit(full, "mallory", 0)).accepted
+
+
+def test_a_peer_whose_flips_are_too_rare_for_honest_noise_is_struck(tmp_path):
+    """The sequential test refuses a group that passes on its own when the peer's history of near-boundary draws is
+    implausible for honest noise, and the refusal says why; the peer's history starts afresh after it."""
+    import dataclasses
+
+    import pytest
+
+    from node.intake.draws import assess_group
+    from node.intake.noise import Mode
+    from node.intake.verify import Forged
+
+    intake = make_intake(tmp_path)
+    row = [TokenDraw(-1.0, 0.0, 1.0, (), 1.0) for _ in range(8)]
+    verdict = assess_group([row], [[-1.0] * 8], 5, Mode("mlx", "bf16", "q8"), 1.0, 1.0)
+    assert verdict.ok and verdict.tails == ()
+    intake.verifier.judge(verdict, "eve")  # nothing odd: accepted, history kept
+    assert intake.verifier.history["eve"].groups == 1
+    steered = dataclasses.replace(verdict, tails=(1e-6, 2e-6))  # two picks rarer than 1 honest flip in 10,000
+    with pytest.raises(Forged, match=r"steering, not sampling \(limits for mlx/bf16/q8.*over 2 groups"):
+        intake.verifier.judge(steered, "eve")
+    assert "eve" not in intake.verifier.history and "mlx/bf16/q8" in intake.verifier.last_limits["eve"]

@@ -150,10 +150,6 @@ class Assessment:
     def ok(self) -> bool:
         return self.logprobs_ok and self.draws.ok
 
-    @property
-    def flips(self) -> int:
-        return len(self.draws.flips)
-
     def reason(self) -> str:
         if not self.logprobs_ok:
             return (

@@ -22,7 +22,7 @@ import trio
 
 from node.intake.draws import Assessment, assess_group
 from node.intake.leases import LeaseBook
-from node.intake.noise import EPSILON, FlipHistory, Mode, sequential_check
+from node.intake.noise import EPSILON, LEVELS, FlipHistory, Mode, sequential_check
 from protocols.draw import RULE as DRAW_RULE
 from protocols.draw import TokenDraw
 from protocols.rollouts import RolloutGroup
@@ -169,9 +169,13 @@ class RolloutVerifier:
         history, p = sequential_check(self.history.pop(remote, FlipHistory()), verdict.tails, verdict.limits.expected)
         if p < EPSILON:
             self._note_limits(remote, verdict)
+            beyond = ", ".join(
+                f"{n} beyond the honest {level:g} tail (expected {history.expected * level:.2g})"
+                for n, level in zip(history.beyond, LEVELS, strict=True)
+            )
             raise Forged(
-                f"{history.flips} near-boundary draws over {history.groups} groups where honest noise expects "
-                f"{history.expected:.2g} (p = {p:.1e}): steering, not sampling; {verdict.limits.describe()}"
+                f"steering, not sampling ({verdict.limits.describe()}): over {history.groups} groups, near-boundary "
+                f"draws {beyond} (p = {p:.1e})"
             )
         self.history[remote] = history
         while len(self.history) > self.max_peers:
