@@ -34,7 +34,7 @@ from trainer.tiny_qwen2 import BOS_ID, EOS_ID, PAD_ID, build_tokenizer, tiny_con
 transformers.utils.logging.disable_progress_bar()  # no 'Writing model shards' bars in the demo
 
 DIGITS = "0123456789"
-__all__ = ["BOS_ID", "EOS_ID", "PAD_ID", "PretrainConfig", "build_base_model", "pretrain"]
+__all__ = ["BOS_ID", "EOS_ID", "PAD_ID", "PretrainConfig", "build_base_model", "padded_batch", "pretrain"]
 
 
 @dataclass(frozen=True)
@@ -61,10 +61,17 @@ def teacher_example(rng: random.Random, cfg: PretrainConfig) -> tuple[list[int],
 
 
 def make_batch(rng: random.Random, cfg: PretrainConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded input ids, attention mask and labels (-100 outside completions: prompts are not learned)."""
-    rows = [teacher_example(rng, cfg) for _ in range(cfg.batch_size)]
+    """A batch of the weak teacher's examples (``padded_batch``)."""
+    return padded_batch([teacher_example(rng, cfg) for _ in range(cfg.batch_size)], PAD_ID)
+
+
+def padded_batch(
+    rows: list[tuple[list[int], list[int]]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(prompt, completion) pairs as right-padded input ids, attention mask and labels (-100 outside completions:
+    prompts are not learned)."""
     width = max(len(p) + len(c) for p, c in rows)
-    ids = torch.full((len(rows), width), PAD_ID, dtype=torch.long)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     attn = torch.zeros(len(rows), width, dtype=torch.long)
     labels = torch.full((len(rows), width), -100, dtype=torch.long)
     for i, (p, c) in enumerate(rows):

@@ -32,6 +32,7 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from trainer.base_model import padded_batch
 from trainer.model_dir import flatten_rope_theta
 
 transformers.utils.logging.disable_progress_bar()
@@ -151,15 +152,9 @@ def finetune(tok: PreTrainedTokenizerFast, cfg: RealisticConfig) -> LlamaForCaus
             rng = random.Random(cfg.seed + 1)
             model.train()
             for _ in range(cfg.steps):
-                rows = [_example(rng, tok, cfg) for _ in range(cfg.batch_size)]
-                width = max(len(p) + len(c) for p, c in rows)
-                ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
-                attn = torch.zeros(len(rows), width, dtype=torch.long)
-                labels = torch.full((len(rows), width), -100, dtype=torch.long)
-                for i, (p, c) in enumerate(rows):
-                    ids[i, : len(p) + len(c)] = torch.tensor(p + c)
-                    attn[i, : len(p) + len(c)] = 1
-                    labels[i, len(p) : len(p) + len(c)] = torch.tensor(c)
+                ids, attn, labels = padded_batch(
+                    [_example(rng, tok, cfg) for _ in range(cfg.batch_size)], tok.pad_token_id
+                )
                 loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
