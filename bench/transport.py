@@ -2,7 +2,7 @@
 weights protocol: 4 MiB requests, several in flight), between two processes on loopback.
 
 Two configurations in the same run, each twice: yamux frames of 65,536 bytes (py-libp2p's default, which Noise must
-split into two messages) and frames that fit one Noise message (node/libp2p_patches.py). For each: MB/s, and MB
+split into two messages) and frames that fit one Noise message (node/libp2p/patches.py). For each: MB/s, and MB
 per CPU-second of the sender and of the receiver (the cost that bounds a 2-core node: on a machine with more
 cores than processes, that is also the throughput one core sustains).
 
@@ -33,7 +33,7 @@ def cpu_seconds() -> float:
 def configure(noise_fit: bool) -> None:
     from libp2p.stream_muxer.yamux import yamux
 
-    from node import libp2p_patches
+    from node.libp2p import patches as libp2p_patches
 
     libp2p_patches.apply()
     if not noise_fit:

@@ -29,6 +29,8 @@ from libp2p.kad_dht.kad_dht import KadDHT
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
+from node.libp2p import providers_from_peer
+
 log = logging.getLogger(__name__)
 
 CID_VERSION = 1
@@ -99,17 +101,12 @@ async def _ask_trusted(swarm: DhtNode, cid: str) -> list[PeerInfo]:
     """Providers as the connected bootstrap peers / trainer know them. py-libp2p's find_providers answers from the
     local store alone once it holds any record, and a node behind a NAT receives records only from the peers it
     is connected to: without this, NATed peers never learn of each other (node/reachability.py)."""
-    from libp2p.kad_dht.kad_dht import _encode_key
-
     out: list[PeerInfo] = []
     connected = set(swarm.host.get_connected_peers())
     for peer in [p for p in swarm.trusted if p in connected][:2]:
         with trio.move_on_after(5.0):
             try:
-                providers, _ = await swarm.dht.provider_store._get_providers_from_peer_with_closers(
-                    peer, _encode_key(cid)
-                )
-                out += providers
+                out += await providers_from_peer(swarm.dht, peer, cid)
             except Exception as exc:
                 log.debug("providers of %s from %s: %s", cid, peer, exc)
     return out

@@ -32,10 +32,10 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
-from node import libp2p_patches
 from node.errors import UserError
+from node.libp2p import install as install_libp2p
 from node.private import PeerGate
-from node.reachability import Reachability, ReachOptions, is_relayed_addr, patch_libp2p
+from node.reachability import Reachability, ReachOptions, is_relayed_addr
 from node.weights.gossip import Gossip, open_gossip
 
 log = logging.getLogger(__name__)
@@ -43,8 +43,7 @@ DIRECT_DIAL_TIMEOUT = 4.0  # seconds for a direct dial to a peer that also adver
 
 
 def build_host(key_pair: KeyPair, psk: str | None = None) -> IHost:
-    libp2p_patches.apply()  # yamux read-loop deadlock and inbound-slot leak in libp2p 0.8.1: see that module
-    patch_libp2p()  # TCP must not claim /p2p-circuit addresses: see node/reachability.py
+    install_libp2p()  # py-libp2p 0.8.1's fixes and its logs routed through ours: node/libp2p/patches.py PATCHES
     noise = NoiseTransport(key_pair, noise_privkey=create_x25519_key_pair().private_key)
     return new_host(
         key_pair=key_pair,

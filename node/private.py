@@ -18,6 +18,7 @@ from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
 from node.errors import UserError
+from node.libp2p import inbound_stream_entry
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class PeerGate(INotifee):
         if self.allowed is None:
             return
         network = host.get_network()
-        negotiate = host._swarm_stream_handler  # type: ignore[attr-defined]  # the host's own entry point
+        negotiate = inbound_stream_entry(host)  # the host's own entry point
 
         async def gated(stream: INetStream) -> None:
             peer = stream.muxed_conn.peer_id

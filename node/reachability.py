@@ -17,22 +17,26 @@ Three pieces, all on py-libp2p 0.8.1's own protocols (so other libp2p implementa
    through endpoint-independent ("cone") NATs. Symmetric NATs give every connection a new outside port, so the
    punch fails there and the pair stays relayed (control traffic only: see ``Swarm.chunk_peers``).
 
-What py-libp2p 0.8.1 gets wrong, and what this module does about it (each measured in tests/test_nat.py):
+What py-libp2p 0.8.1 gets wrong, and what we do about it (each a row of node/libp2p/patches.py ``PATCHES``, the
+mechanics in node/libp2p/nat.py; measured in tests/test_nat.py and tests/test_libp2p_patches.py):
 
-- ``AutoNATService._try_dial`` calls ``host.connect``, which returns at once when a connection to the peer exists,
-  and the request itself arrives on one: every node was told it is reachable. ``DialBack._try_dial`` dials a
-  fresh connection (``Swarm.dial_addr``), checks the peer id (the Noise handshake does), then closes it.
-- The AutoNAT server dials only addresses whose IP equals the requester's observed IP, so a node listening on a
-  private or wildcard address (every node behind a NAT) is never dialed at all. ``DialBack`` dials the observed IP
-  at the advertised TCP ports instead (the same anti-amplification rule: it never dials anyone else's IP).
-- ``TCP.can_dial`` accepts ``/ip4/../tcp/../p2p/R/p2p-circuit/p2p/B`` (it only looks for "tcp"): the swarm then dials
-  the relay expecting B, fails with a peer id mismatch and *clears all of B's addresses*. ``patch_libp2p`` makes
-  TCP refuse circuit addresses; circuits are dialed by ``Reachability.dial_relayed`` only.
-- ``CircuitV2Protocol._read_stream_with_retry`` treats a yamux EOF as an unexpected error (it knows only mplex's)
-  and retries it with sleeps; ``RelayHop`` reads once and counts the bytes it relays.
-- DCUtR's auto-drive starts a hole punch from *both* ends of every relayed connection at once; two sessions then
-  race for the same source port. ``HolePunch`` lets one end drive (the lower peer id), like the spec's "the
-  peer that accepted the relayed connection".
+- autonat-existing-connection: the AutoNAT server dials back with ``host.connect``, which returns at once when a
+  connection to the peer exists, and the request itself arrives on one: every node was told it is reachable.
+  ``DialBack`` dials a fresh connection (``Swarm.dial_addr``), checks the peer id (the Noise handshake does), then
+  closes it.
+- autonat-observed-ip: the AutoNAT server dials only addresses whose IP equals the requester's observed IP, so a
+  node listening on a private or wildcard address (every node behind a NAT) is never dialed at all. ``DialBack``
+  dials the observed IP at the advertised TCP ports instead (the same anti-amplification rule: it never dials
+  anyone else's IP).
+- tcp-dials-circuit-addrs: ``TCP.can_dial`` accepts ``/ip4/../tcp/../p2p/R/p2p-circuit/p2p/B`` (it only looks for
+  "tcp"): the swarm then dials the relay expecting B, fails with a peer id mismatch and *clears all of B's
+  addresses*. ``node.libp2p.install`` makes TCP refuse circuit addresses; circuits are dialed by
+  ``Reachability.dial_relayed`` only.
+- relay-yamux-eof: circuit relay v2's stream reader treats a yamux EOF as an unexpected error (it knows only
+  mplex's) and retries it with sleeps; ``RelayHop`` reads once and counts the bytes it relays.
+- dcutr-both-ends: DCUtR's auto-drive starts a hole punch from *both* ends of every relayed connection at once;
+  two sessions then race for the same source port. ``HolePunch.should_drive`` lets one end drive (the lower peer
+  id), like the spec's "the peer that accepted the relayed connection".
 - ``CircuitV2Transport.dial`` with the CLIENT role reserves a slot at the relay before every dial; dials here use
   a transport without that role, and reservations are made only by a private node for itself.
 """
@@ -50,21 +54,27 @@ from typing import Any, Protocol
 import multiaddr
 import trio
 from libp2p.abc import IHost, INetStream
-from libp2p.host.autonat.autonat import AUTONAT_PROTOCOL_ID, AutoNATService
+from libp2p.host.autonat.autonat import AUTONAT_PROTOCOL_ID
 from libp2p.host.autonat.pb.autonat_pb2 import Message
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
-from libp2p.relay.circuit_v2.dcutr import MAX_HOLE_PUNCH_ATTEMPTS, DCUtRProtocol
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL_ID
-from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
 from libp2p.relay.circuit_v2.resources import RelayLimits
-from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.tools.anyio_service import background_trio_service
-from libp2p.transport.tcp.tcp import TCP
 
 from node.config import SwarmSettings
 from node.discovery import DhtNode, find_role, provide_forever, role_key
+from node.libp2p import (
+    MAX_HOLE_PUNCH_ATTEMPTS,
+    DialBack,
+    HolePuncher,
+    RelayClient,
+    RelayHop,
+    advertise,
+    conn_kind,
+    is_relayed_addr,
+)
 
 log = logging.getLogger(__name__)
 
@@ -76,115 +86,11 @@ RELAYS_WANTED = 2
 DIRECT_DIAL_TIMEOUT = 4.0  # before falling back to a relay
 PUNCH_RETRY_AFTER = 60.0  # seconds between rounds of hole-punch attempts for a pair that stays relayed
 RELAYED_GRACE = 5.0  # a relayed connection is closed this long after a direct one to the same peer is up
-MAX_READ = 1 << 16
 
 
-def is_relayed_addr(addr: Any) -> bool:
-    return "/p2p-circuit" in str(addr)
-
-
-# -- py-libp2p fixes ---------------------------------------------------------------------------------------------
-
-_patched = {"done": False}
-
-
-def patch_libp2p() -> None:
-    """TCP must not claim circuit addresses (see the module docstring). Idempotent."""
-    if _patched["done"]:
-        return
-    original = TCP.can_dial
-
-    def can_dial(self: TCP, maddr: multiaddr.Multiaddr) -> bool:
-        return not is_relayed_addr(maddr) and original(self, maddr)
-
-    TCP.can_dial = can_dial  # type: ignore[method-assign]
-    _patched["done"] = True
-
-
-class DialBack(AutoNATService):
-    """AutoNAT v1 server and client; the server dials a *fresh* connection to the requester's observed IP."""
-
-    def __init__(self, host: IHost) -> None:
-        super().__init__(host, serve=False)  # handler registered by Reachability (wrapped)
-        self._asked: dict[ID, float] = {}
-        self._slots = trio.Semaphore(4)
-
-    async def _handle_dial(self, message: Message, observed_ip: str | None, is_relayed: bool) -> Message:
-        peer = ID(message.dial.peer.id)
-        now = time.monotonic()
-        if now - self._asked.get(peer, -1e9) < DIAL_BACK_EVERY:
-            response = Message()
-            response.type = Message.DIAL_RESPONSE
-            response.dialResponse.status = Message.E_DIAL_REFUSED
-            response.dialResponse.statusText = "asked too often"
-            return response
-        self._asked[peer] = now
-        if len(self._asked) > 4096:
-            self._asked = {p: t for p, t in self._asked.items() if now - t < DIAL_BACK_EVERY}
-        return await super()._handle_dial(message, observed_ip, is_relayed)
-
-    @staticmethod
-    def _filter_by_observed_ip(addrs: list[bytes], observed_ip: str | None) -> list[bytes]:
-        """The requester's TCP ports, at the IP we see it at (never anyone else's IP); at most four."""
-        if observed_ip is None:
-            return []
-        family = "ip6" if ":" in observed_ip else "ip4"
-        out: list[bytes] = []
-        for raw in addrs:
-            try:
-                port = multiaddr.Multiaddr(raw).value_for_protocol("tcp")
-            except Exception:
-                continue
-            if not port:
-                continue
-            candidate = multiaddr.Multiaddr(f"/{family}/{observed_ip}/tcp/{port}").to_bytes()
-            if candidate not in out:
-                out.append(candidate)
-        return out[:4]
-
-    async def _try_dial(self, peer_id: ID, addrs: list[bytes]) -> bytes | None:
-        network = self.host.get_network()
-        async with self._slots:
-            for raw in addrs:
-                try:
-                    with trio.fail_after(DIAL_BACK_TIMEOUT):
-                        conn = await network.dial_addr(multiaddr.Multiaddr(raw), peer_id)
-                except Exception as exc:
-                    log.debug("dial-back to %s at %s failed: %s", peer_id, multiaddr.Multiaddr(raw), exc)
-                    continue
-                try:
-                    await conn.close()
-                except Exception:
-                    pass
-                return raw
-        return None
-
-
-class RelayHop(CircuitV2Protocol):
-    """Circuit relay v2, counting what it carries; a yamux EOF ends a circuit direction quietly."""
-
-    def __init__(self, host: IHost, limits: RelayLimits, allow_hop: bool) -> None:
-        super().__init__(host, limits=limits, allow_hop=allow_hop)
-        self.bytes_relayed = 0
-        self.circuits = 0
-
-    async def _read_stream_with_retry(self, stream: INetStream, max_retries: int = 0) -> bytes | None:
-        try:
-            data = await stream.read(MAX_READ)
-        except Exception:
-            return None
-        if not data:
-            return None
-        self.bytes_relayed += len(data)
-        return data
-
-    async def _handle_connect(self, stream: INetStream, msg: Any) -> None:
-        self.circuits += 1
-        await super()._handle_connect(stream, msg)
-
-
-class HolePunch(DCUtRProtocol):
-    """DCUtR with one driver per relayed pair (the lower peer id), and a record of what each attempt gave."""
+class HolePunch(HolePuncher):
+    """Hole punching with one driver per relayed pair (the lower peer id), fresh attempt budgets for pairs that stay
+    relayed, and a record of what each attempt gave."""
 
     def __init__(self, host: IHost) -> None:
         super().__init__(host, dial_timeout=6)
@@ -195,28 +101,15 @@ class HolePunch(DCUtRProtocol):
         self.retries = 0  # fresh attempt budgets given to pairs that stayed relayed
         self._gave_up: dict[ID, float] = {}
 
-    async def _auto_drive_loop(self) -> None:
-        me = str(self.host.get_id())
-        while True:
-            await trio.sleep(2.0)
-            network = self.host.get_network()
-            for peer_id, conns in list((getattr(network, "connections", {}) or {}).items()):
-                if str(peer_id) >= me or peer_id in self._in_progress:
-                    continue  # the other end drives this pair
-                if not self._may_try(peer_id):
-                    continue
-                conns = conns if isinstance(conns, list) else [conns]
-                kinds = [_conn_kind(c) for c in conns]
-                if not kinds or any(k == "direct" for k in kinds):
-                    continue
-                assert self._nursery is not None
-                self._nursery.start_soon(self._drive_one, peer_id)
+    def should_drive(self, peer_id: ID) -> bool:
+        """The lower peer id drives a pair (the other end would race it for the same port), within budget."""
+        return str(peer_id) < str(self.host.get_id()) and self._may_try(peer_id)
 
     def _may_try(self, peer_id: ID) -> bool:
         """Up to ``MAX_HOLE_PUNCH_ATTEMPTS`` attempts in a row (the library's budget), then a pause of
         ``PUNCH_RETRY_AFTER`` and a fresh budget: a punch that failed because an end was too busy to dial in time
         gets another chance while the pair stays relayed, at a few small relayed messages a minute."""
-        if self._hole_punch_attempts.get(peer_id, 0) < MAX_HOLE_PUNCH_ATTEMPTS:
+        if self.attempts(peer_id) < MAX_HOLE_PUNCH_ATTEMPTS:
             self._gave_up.pop(peer_id, None)
             return True
         now = trio.current_time()
@@ -224,40 +117,21 @@ class HolePunch(DCUtRProtocol):
         if now - gave_up < PUNCH_RETRY_AFTER:
             return False
         del self._gave_up[peer_id]
-        self._hole_punch_attempts[peer_id] = 0
+        self.reset_attempts(peer_id)
         self.retries += 1
         return True
 
-    async def _drive_one(self, peer_id: ID) -> None:
-        try:
-            await self.initiate_hole_punch(peer_id)
-        except Exception as exc:
-            log.debug("hole punch with %s failed: %s", peer_id, exc)
+    def on_upgrade(self, peer_id: ID) -> None:
+        self.upgraded.add(peer_id)
 
-    async def _try_unilateral_upgrade(self, peer_id: ID) -> bool:
-        ok = await super()._try_unilateral_upgrade(peer_id)
-        if ok:
-            self.upgraded.add(peer_id)
-        return ok
-
-    async def _perform_hole_punch(self, peer_id: ID, addrs: list[multiaddr.Multiaddr], as_responder: bool = False):
+    def on_punch(self, peer_id: ID, ok: bool) -> None:
         self.tried += 1
-        ok = await super()._perform_hole_punch(peer_id, addrs, as_responder=as_responder)
         if ok:
             self.punched.add(peer_id)
             log.info("hole punch with %s succeeded: direct connection", peer_id)
         else:
             self.failed += 1
             log.info("hole punch with %s failed: staying relayed", peer_id)
-        return ok
-
-
-def _conn_kind(conn: Any) -> str:
-    try:
-        addrs = conn.get_transport_addresses()
-    except Exception:
-        return "direct"
-    return "relayed" if addrs and all(is_relayed_addr(a) for a in addrs) else "direct"
 
 
 # -- the node's reachability -------------------------------------------------------------------------------------
@@ -312,8 +186,8 @@ class Reachability:
             reservation_ttl=600,
         )
         self.hop = RelayHop(self.host, limits, allow_hop=options.relay)
-        self.client = CircuitV2Transport(self.host, self.hop, RelayConfig(roles=RelayRole.STOP, limits=limits))
-        self.dialback = DialBack(self.host)
+        self.client = RelayClient(self.host, self.hop, RelayConfig(roles=RelayRole.STOP, limits=limits))
+        self.dialback = DialBack(self.host, every=DIAL_BACK_EVERY, timeout=DIAL_BACK_TIMEOUT)
         self.punch = HolePunch(self.host)
         self.first_seen: dict[ID, str] = {}  # peer -> how the first connection to it was made
         self.relayed_since: dict[ID, float] = {}
@@ -326,11 +200,10 @@ class Reachability:
         listen = {str(a) for a in self.host.get_transport_addrs()}
         return [a for a in candidates if str(a) in listen or self.state == PUBLIC]
 
-    def get_addrs(self) -> list[multiaddr.Multiaddr]:
-        """``host.get_addrs`` (identify, DHT provider records) plus a circuit address through every relay that
-        holds a reservation for this node. (BasicHost.get_addrs strips everything from the first /p2p/ on, so
-        circuit addresses cannot come from the addrs factory.)"""
-        out = list(self._host_get_addrs())
+    def circuit_addrs(self) -> list[multiaddr.Multiaddr]:
+        """A circuit address through every relay that holds a reservation for this node (``advertise`` appends
+        them to ``host.get_addrs``: identify, DHT provider records)."""
+        out: list[multiaddr.Multiaddr] = []
         now = time.time()
         for res in self.reservations.values():
             if res.expires > now:
@@ -345,7 +218,7 @@ class Reachability:
     # -- connections ----------------------------------------------------------------------------------------
     def kinds(self, peer: ID) -> list[str]:
         conns = self.host.get_network().get_connections(peer)
-        return [_conn_kind(c) for c in conns if not getattr(c, "is_closed", False)]
+        return [conn_kind(c) for c in conns if not getattr(c, "is_closed", False)]
 
     def has_direct(self, peer: ID) -> bool:
         return "direct" in self.kinds(peer)
@@ -396,9 +269,7 @@ class Reachability:
                 log.debug("autonat stream from %s: %s", stream.muxed_conn.peer_id, exc)
 
         self.host.set_stream_handler(AUTONAT_PROTOCOL_ID, autonat)
-        self.host._addrs_factory = self.addrs_factory  # type: ignore[attr-defined]
-        self._host_get_addrs = self.host.get_addrs
-        self.host.get_addrs = self.get_addrs  # type: ignore[method-assign]
+        advertise(self.host, self.addrs_factory, self.circuit_addrs)
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
@@ -502,15 +373,14 @@ class Reachability:
                     await self.swarm.connect(self.host.get_peerstore().peer_info(relay))
                 stream = await self.host.new_stream(relay, [HOP_PROTOCOL_ID])
                 try:
-                    ok = await self.client._make_reservation(stream, relay)
+                    expires = await self.client.reserve_on(stream, relay)
                 finally:
                     await stream.close()
         except Exception as exc:
             log.debug("no reservation at %s: %s", relay, exc)
             return False
-        if not ok:
+        if expires is None:
             return False
-        expires = float(self.client._reservations.get(relay, time.time() + 600))
         addrs: list[multiaddr.Multiaddr] = []
         for a in self.host.get_peerstore().addrs(relay):
             text = str(a).split("/p2p/")[0]
@@ -548,7 +418,7 @@ class Reachability:
                     since = self.relayed_since.setdefault(peer, now)
                     if now - since >= RELAYED_GRACE:
                         for conn in self.host.get_network().get_connections(peer):
-                            if _conn_kind(conn) == "relayed":
+                            if conn_kind(conn) == "relayed":
                                 try:
                                     await conn.close()
                                 except Exception:
@@ -587,7 +457,7 @@ class Reachability:
         }
         if self.options.relay:
             out["relay_service"] = {
-                "reservations": len(self.hop.resource_manager._reservations),
+                "reservations": self.hop.reservations,
                 "circuits": self.hop.circuits,
                 "bytes_relayed": self.hop.bytes_relayed,
             }

@@ -1,4 +1,4 @@
-"""node/libp2p_patches.py: each py-libp2p 0.8.1 bug reproduced on stock code, and gone with the patch.
+"""node/libp2p/patches.py: each py-libp2p 0.8.1 bug reproduced on stock code, and gone with the patch.
 
 Hosts are real ones from ``node.host.build_host`` (TCP + Noise + yamux) on 127.0.0.1; the stock runs are the same
 scenario inside ``libp2p_patches.disabled()``.
@@ -17,8 +17,8 @@ from libp2p.network.swarm import Swarm
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.stream_muxer.yamux import yamux as yamux_module
 
-from node import libp2p_patches
 from node.host import build_host
+from node.libp2p import patches as libp2p_patches
 
 LISTEN = multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")
 PUSH = "/swarmrl-test/push/1"
@@ -287,3 +287,127 @@ async def test_stock_node_dies_of_one_malformed_gossip_rpc():
 async def test_patched_node_resets_the_stream_and_lives_on():
     libp2p_patches.apply()
     assert await garbage_gossip_then_echo() == b"still here"
+
+
+# -- 3. yamux frames and Noise messages -----------------------------------------------------------------------------
+
+
+def test_stock_yamux_frame_does_not_fit_one_noise_message():
+    from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH
+
+    with libp2p_patches.disabled():
+        # a full frame is 17 B over one Noise message: every one goes out as two (twice the AEAD calls and reads)
+        assert yamux_module.MAX_MESSAGE_SIZE - MAX_PLAINTEXT_LENGTH == 17
+    libp2p_patches.apply()
+    assert yamux_module.MAX_MESSAGE_SIZE == MAX_PLAINTEXT_LENGTH
+
+
+# -- 5. TCP and circuit addresses -----------------------------------------------------------------------------------
+
+
+def test_stock_tcp_claims_circuit_addresses():
+    from libp2p.peer.id import ID
+    from libp2p.transport.tcp.tcp import TCP
+
+    relay, target = (ID.from_pubkey(create_new_key_pair().public_key) for _ in range(2))
+    circuit = multiaddr.Multiaddr(f"/ip4/127.0.0.1/tcp/4001/p2p/{relay}/p2p-circuit/p2p/{target}")
+    direct = multiaddr.Multiaddr(f"/ip4/127.0.0.1/tcp/4001/p2p/{target}")
+    with libp2p_patches.disabled():
+        assert TCP().can_dial(circuit)  # the swarm would dial the relay expecting the target
+    libp2p_patches.apply()
+    assert not TCP().can_dial(circuit)
+    assert TCP().can_dial(direct)
+
+
+# -- subclass overrides (node/libp2p/nat.py, node/libp2p/access.py) -------------------------------------------------
+
+
+def closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_stock_autonat_dial_back_reuses_the_existing_connection():
+    """The dial-back request arrives on a connection, so ``host.connect`` succeeds without dialing: the server
+    reports an address nobody listens on as reachable. ``DialBack`` dials a fresh connection."""
+    from libp2p.host.autonat.autonat import AutoNATService
+
+    from node.libp2p import DialBack
+
+    server, client = build_host(create_new_key_pair()), build_host(create_new_key_pair())
+    nobody = multiaddr.Multiaddr(f"/ip4/127.0.0.1/tcp/{closed_port()}").to_bytes()
+    with trio.fail_after(30):
+        async with server.run([LISTEN]), client.run([]):
+            await client.connect(info(server))
+            stock = AutoNATService(server, serve=False)
+            assert await stock._try_dial(client.get_id(), [nobody]) == nobody  # "reachable" at a closed port
+            ours = DialBack(server, every=5.0, timeout=5.0)
+            assert await ours._try_dial(client.get_id(), [nobody]) is None
+
+
+def test_stock_autonat_never_dials_a_node_listening_on_a_private_address():
+    from libp2p.host.autonat.autonat import AutoNATService
+
+    from node.libp2p import DialBack
+
+    behind_nat = [multiaddr.Multiaddr(a).to_bytes() for a in ("/ip4/192.168.1.5/tcp/4001", "/ip4/0.0.0.0/tcp/4001")]
+    assert AutoNATService._filter_by_observed_ip(behind_nat, "203.0.113.7") == []  # nothing to dial: no verdict
+    ours = [str(multiaddr.Multiaddr(a)) for a in DialBack._filter_by_observed_ip(behind_nat, "203.0.113.7")]
+    assert ours == ["/ip4/203.0.113.7/tcp/4001"]
+
+
+class EndedStream:
+    """A stream whose peer has closed its end: every read raises StreamEOF, as py-libp2p's yamux streams do."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    async def read(self, n: int | None = None) -> bytes:
+        from libp2p.network.stream.exceptions import StreamEOF
+
+        self.reads += 1
+        raise StreamEOF("closed")
+
+
+async def test_stock_relay_retries_a_yamux_eof():
+    from libp2p.network.stream.exceptions import StreamEOF
+    from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
+    from libp2p.relay.circuit_v2.resources import RelayLimits
+
+    from node.libp2p import RelayHop
+
+    limits = RelayLimits(duration=60, data=1 << 20, max_circuit_conns=4, max_reservations=4, reservation_ttl=60)
+    hop = RelayHop(build_host(create_new_key_pair()), limits, allow_hop=True)
+    stream = EndedStream()
+    started = trio.current_time()
+    with pytest.raises(StreamEOF):  # an EOF (the circuit's normal end) raised, after three reads and 0.6 s asleep
+        await CircuitV2Protocol._read_stream_with_retry(hop, stream)  # type: ignore[arg-type]
+    assert stream.reads == 3 and trio.current_time() - started >= 0.6
+    stream = EndedStream()
+    assert await hop._read_stream_with_retry(stream) is None  # type: ignore[arg-type]
+    assert stream.reads == 1
+
+
+async def test_stock_find_providers_answers_from_the_local_store_alone():
+    """A node holding one record for a key never asks the DHT again: a provider its connected peer knows of stays
+    unknown to it. ``providers_from_peer`` asks that peer directly (node/discovery.py asks the trusted peers)."""
+    from libp2p.kad_dht.kad_dht import _encode_key
+    from libp2p.peer.id import ID
+
+    from node.discovery import role_cid
+    from node.host import open_swarm
+    from node.libp2p import providers_from_peer
+
+    cid = role_cid("test", "trainer")
+    known, other = (ID.from_pubkey(create_new_key_pair().public_key) for _ in range(2))
+    somewhere = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/4001")]
+    with trio.fail_after(30):
+        async with open_swarm(create_new_key_pair(), LISTEN) as a, open_swarm(create_new_key_pair(), LISTEN) as b:
+            await a.connect(PeerInfo(b.peer_id, b.addrs()))
+            a.dht.provider_store.add_provider(_encode_key(cid), PeerInfo(known, somewhere))
+            b.dht.provider_store.add_provider(_encode_key(cid), PeerInfo(other, somewhere))
+            assert [p.peer_id for p in await a.dht.find_providers(cid)] == [known]
+            assert [p.peer_id for p in await providers_from_peer(a.dht, b.peer_id, cid)] == [other]

@@ -1,8 +1,15 @@
-"""Four fixes for py-libp2p 0.8.1, applied in place once per process by ``apply()`` (``build_host`` calls it).
+"""Every py-libp2p 0.8.1 fix, in one table (``PATCHES``), and the five applied in place by ``apply()``.
 
-Each fix replaces a method on a py-libp2p class (the originals are kept, so ``unapply()`` / ``disabled()`` restore
-stock behaviour for tests that compare). Written against libp2p==0.8.1 exactly: ``apply()`` refuses any other
-version, because each replacement mirrors upstream code that may change. Line numbers below are 0.8.1's.
+``PATCHES`` names each fix: the upstream bug (``upstream``), the library code it replaces or overrides
+(``target``), ours (``ours``), the test that reproduces the bug on stock code (``test``) and the report ready to
+send upstream (``docs/upstream/libp2p-<name>.md``). Rows with ``install`` are class methods or module constants
+that ``apply()`` (``build_host`` calls it, through ``node.libp2p.install``) replaces in place; the originals are
+kept, so ``unapply()`` / ``disabled()`` restore stock behaviour for tests that compare. The other rows are subclass
+overrides in node/libp2p/nat.py and private reads in node/libp2p/access.py, used where reachability and discovery
+build their objects. ``INTERNALS`` lists the private names we read without fixing anything. Written against
+libp2p==0.8.1 exactly (node/libp2p/version.py refuses any other version). Line numbers below are 0.8.1's.
+
+The in-place fixes:
 
 1. yamux: the connection's read loop blocks on sends (issue 14)
 -----------------------------------------------------------------
@@ -82,29 +89,44 @@ any peer sending one malformed gossipsub RPC killed every node it was connected 
 sampler died of ``DecodeError: Error parsing message with type 'pubsub.pb.RPC'``). ``BasicHost._swarm_stream_handler``
 (host/basic_host.py l. 1480, the one entry for every inbound stream) is wrapped: an Exception from negotiation or
 from any handler is logged and the stream reset; the node goes on. Cancellation (a BaseException) passes through.
+
+5. TCP claims circuit addresses (issue 15)
+------------------------------------------
+``TCP.can_dial`` (transport/tcp/tcp.py) accepts any address with a "tcp" component, so
+``/ip4/../tcp/../p2p/R/p2p-circuit/p2p/B`` too: the swarm then dials the relay R expecting B, fails with a peer id
+mismatch and clears all of B's addresses. ``TCP.can_dial`` is wrapped to refuse circuit addresses; circuits are
+dialed by ``node.reachability.Reachability.dial_relayed`` through a ``nat.RelayClient`` only.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import struct
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 import trio
 from libp2p.abc import IMuxedConn
+from libp2p.host.autonat.autonat import AutoNATService
 from libp2p.host.basic_host import BasicHost
+from libp2p.kad_dht.provider_store import ProviderStore
 from libp2p.network.connection.exceptions import RawConnError
 from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.network.swarm import Swarm
+from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
+from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
 from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH
 from libp2p.stream_muxer.yamux import yamux as _yamux
+from libp2p.transport.tcp.tcp import TCP
+
+from node.libp2p.nat import is_relayed_addr
+from node.libp2p.version import check_version
 
 log = logging.getLogger(__name__)
 
-LIBP2P_VERSION = "0.8.1"
 # queued ACK/RST/pong headers per connection (12 B each) before pongs are dropped and a flooding peer is cut off
 MAX_QUEUED_CONTROL_FRAMES = 4096
 GO_AWAY_SEND_TIMEOUT = 1.0
@@ -312,34 +334,160 @@ async def _swarm_stream_handler(self: BasicHost, net_stream: Any) -> None:
             pass
 
 
-# -- applying -------------------------------------------------------------------------------------------------------
+# -- 5. TCP and circuit addresses -----------------------------------------------------------------------------------
 
-_PATCHES: tuple[tuple[type, str, Callable[..., Any]], ...] = (
-    (_yamux.Yamux, "_handle_incoming_with_ready_signal", _handle_incoming_with_ready_signal),
-    (_yamux.Yamux, "_write_frame", _write_frame),
-    (Swarm, "_do_handle_inbound_connection", _do_handle_inbound_connection),
-    (BasicHost, "_swarm_stream_handler", _swarm_stream_handler),
+
+def _tcp_can_dial(self: TCP, maddr: Any) -> bool:
+    """Upstream's check, and not a /p2p-circuit address (those go through a relay, not to the TCP endpoint)."""
+    return not is_relayed_addr(maddr) and _state["originals"]["TCP.can_dial"](self, maddr)
+
+
+# -- the table ------------------------------------------------------------------------------------------------------
+
+REPORTS = Path(__file__).resolve().parents[2] / "docs" / "upstream"
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One fix of py-libp2p: what is wrong upstream, what we replace, where ours is, what shows the bug."""
+
+    name: str  # docs/upstream/libp2p-<name>.md is the report to send upstream
+    upstream: str  # the bug, in one line
+    target: str  # the library's class.method (or module constant) that ours replaces or overrides
+    ours: str  # where our replacement lives
+    test: str  # tests/<file>.py::<test> reproducing the bug on stock py-libp2p (or, where noted, ours working)
+    install: tuple[Any, str, Any] | None = None  # (owner, attribute, value) that apply() sets; None: a subclass
+
+    @property
+    def report(self) -> Path:
+        return REPORTS / f"libp2p-{self.name}.md"
+
+
+_T = "tests/test_libp2p_patches.py::"
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        "yamux-read-loop-deadlock",
+        "yamux's read loop awaits its own ACK/RST/pong and window-update writes: two peers pushing at once deadlock",
+        "libp2p.stream_muxer.yamux.yamux.Yamux._handle_incoming_with_ready_signal, Yamux._write_frame",
+        "node/libp2p/patches.py _handle_incoming_with_ready_signal, _write_frame, _ControlQueue",
+        _T + "test_stock_yamux_deadlocks_when_both_peers_push",
+        (_yamux.Yamux, "_handle_incoming_with_ready_signal", _handle_incoming_with_ready_signal),
+    ),
+    Patch(
+        "yamux-read-loop-deadlock",
+        "(the same bug: the write half of the fix)",
+        "libp2p.stream_muxer.yamux.yamux.Yamux._write_frame",
+        "node/libp2p/patches.py _write_frame",
+        _T + "test_stock_yamux_deadlocks_when_both_peers_push",
+        (_yamux.Yamux, "_write_frame", _write_frame),
+    ),
+    Patch(
+        "inbound-slots-held",
+        "an inbound connection's limiter slot is released only when the whole swarm stops",
+        "libp2p.network.swarm.Swarm._do_handle_inbound_connection",
+        "node/libp2p/patches.py _do_handle_inbound_connection",
+        _T + "test_stock_swarm_keeps_inbound_slots_of_closed_connections",
+        (Swarm, "_do_handle_inbound_connection", _do_handle_inbound_connection),
+    ),
+    Patch(
+        "handler-exception-kills-host",
+        "an exception escaping any stream handler (gossipsub's DecodeError) stops the whole host",
+        "libp2p.host.basic_host.BasicHost._swarm_stream_handler",
+        "node/libp2p/patches.py _swarm_stream_handler",
+        _T + "test_stock_node_dies_of_one_malformed_gossip_rpc",
+        (BasicHost, "_swarm_stream_handler", _swarm_stream_handler),
+    ),
+    Patch(
+        "tcp-dials-circuit-addrs",
+        "TCP.can_dial claims /p2p-circuit addresses; the failed dial clears all the peer's addresses",
+        "libp2p.transport.tcp.tcp.TCP.can_dial",
+        "node/libp2p/patches.py _tcp_can_dial",
+        _T + "test_stock_tcp_claims_circuit_addresses",
+        (TCP, "can_dial", _tcp_can_dial),
+    ),
+    Patch(
+        "yamux-frame-splits-noise",
+        "a full yamux frame (65,536 B) is 17 B over Noise's largest plaintext: every frame is two Noise messages",
+        "libp2p.stream_muxer.yamux.yamux.MAX_MESSAGE_SIZE",
+        "node/libp2p/patches.py NOISE_FIT_FRAME",
+        _T + "test_stock_yamux_frame_does_not_fit_one_noise_message",
+        (_yamux, "MAX_MESSAGE_SIZE", NOISE_FIT_FRAME),
+    ),
+    Patch(
+        "autonat-existing-connection",
+        "the AutoNAT server dials back with host.connect, which reuses the connection the request came on",
+        "libp2p.host.autonat.autonat.AutoNATService._try_dial",
+        "node/libp2p/nat.py DialBack._try_dial",
+        _T + "test_stock_autonat_dial_back_reuses_the_existing_connection",
+    ),
+    Patch(
+        "autonat-observed-ip",
+        "the AutoNAT server dials only advertised addresses whose IP is the observed one: NATed nodes never are",
+        "libp2p.host.autonat.autonat.AutoNATService._filter_by_observed_ip",
+        "node/libp2p/nat.py DialBack._filter_by_observed_ip",
+        _T + "test_stock_autonat_never_dials_a_node_listening_on_a_private_address",
+    ),
+    Patch(
+        "relay-yamux-eof",
+        "circuit relay v2 treats a yamux stream's EOF as an unexpected error: logged, retried with sleeps, raised",
+        "libp2p.relay.circuit_v2.protocol.CircuitV2Protocol._read_stream_with_retry",
+        "node/libp2p/nat.py RelayHop._read_stream_with_retry",
+        _T + "test_stock_relay_retries_a_yamux_eof",
+    ),
+    Patch(
+        "dcutr-both-ends",
+        "DCUtR's auto-drive starts a hole punch from both ends of a relayed pair at once; they race for one port",
+        "libp2p.relay.circuit_v2.dcutr.DCUtRProtocol._auto_drive_loop",
+        "node/libp2p/nat.py HolePuncher._auto_drive_loop (node/reachability.py HolePunch.should_drive decides)",
+        "tests/test_nat.py::test_nat_swarm_converges_with_relays_and_hole_punching (ours working; root only)",
+    ),
+    Patch(
+        "dht-local-providers",
+        "find_providers answers from the local provider store alone once it holds any record for the key",
+        "libp2p.kad_dht.provider_store.ProviderStore.find_providers",
+        "node/libp2p/access.py providers_from_peer (node/discovery.py asks the trusted peers too)",
+        _T + "test_stock_find_providers_answers_from_the_local_store_alone",
+    ),
 )
+
+# Private names read or set without fixing a bug (no public API for them in 0.8.1): an upgrade checks each still exists.
+INTERNALS: tuple[tuple[str, str], ...] = (
+    ("BasicHost._swarm_stream_handler", "access.inbound_stream_entry: the allow-list gate wraps it"),
+    ("BasicHost._addrs_factory", "nat.advertise: reachability picks the advertised addresses after the host exists"),
+    ("ProviderStore._get_providers_from_peer_with_closers", "access.providers_from_peer"),
+    ("kad_dht._encode_key", "access.providers_from_peer"),
+    ("CircuitV2Transport._make_reservation, ._reservations", "nat.RelayClient.reserve_on"),
+    ("RelayResourceManager._reservations", "nat.RelayHop.reservations"),
+    ("DCUtRProtocol._hole_punch_attempts, ._in_progress, ._nursery", "nat.HolePuncher"),
+    ("AutoNATService._handle_dial", "nat.DialBack: one request per peer per interval"),
+    ("CircuitV2Protocol._handle_connect", "nat.RelayHop: counts circuits"),
+    ("DCUtRProtocol._try_unilateral_upgrade, ._perform_hole_punch", "nat.HolePuncher: reports outcomes"),
+)
+# the classes those overrides and reads belong to (a rename upstream fails an import here, not at run time)
+_OVERRIDDEN = (AutoNATService, CircuitV2Protocol, DCUtRProtocol, ProviderStore)
+
+
+def _installed() -> tuple[Patch, ...]:
+    return tuple(p for p in PATCHES if p.install is not None)
+
+
+def _key(patch: Patch) -> str:
+    owner, attr, _ = patch.install  # type: ignore[misc]
+    return f"{owner.__name__.rsplit('.', 1)[-1]}.{attr}"
 
 
 def apply() -> None:
-    """Install the fixes (idempotent; a no-op inside ``disabled()``)."""
+    """Install the in-place fixes (idempotent; a no-op inside ``disabled()``)."""
     if _state["applied"] or _state["suppressed"]:
         return
-    version = importlib.metadata.version("libp2p")
-    if version != LIBP2P_VERSION:
-        raise RuntimeError(
-            f"node/libp2p_patches.py was written against libp2p=={LIBP2P_VERSION}, found {version}: "
-            "check whether upstream fixed the bugs it describes, then update or drop the patches"
-        )
+    check_version()
     originals = _state["originals"]
-    for cls, name, replacement in _PATCHES:
-        current = cls.__dict__[name]
-        if getattr(current, "__module__", None) != __name__:  # never record a replacement as the original
-            originals[f"{cls.__name__}.{name}"] = current
-        setattr(cls, name, replacement)
-    originals.setdefault("yamux.MAX_MESSAGE_SIZE", _yamux.MAX_MESSAGE_SIZE)
-    _yamux.MAX_MESSAGE_SIZE = NOISE_FIT_FRAME
+    for patch in _installed():
+        owner, attr, value = patch.install  # type: ignore[misc]
+        current = vars(owner)[attr]
+        if current is not value:  # never record a replacement as the original
+            originals[_key(patch)] = current
+        setattr(owner, attr, value)
     _state["applied"] = True
 
 
@@ -347,9 +495,9 @@ def unapply() -> None:
     """Restore py-libp2p's own methods. Connections started while patched keep running their read-loop wrapper."""
     if not _state["applied"]:
         return
-    for cls, name, _ in _PATCHES:
-        setattr(cls, name, _state["originals"][f"{cls.__name__}.{name}"])
-    _yamux.MAX_MESSAGE_SIZE = _state["originals"]["yamux.MAX_MESSAGE_SIZE"]
+    for patch in _installed():
+        owner, attr, _ = patch.install  # type: ignore[misc]
+        setattr(owner, attr, _state["originals"][_key(patch)])
     _state["applied"] = False
 
 

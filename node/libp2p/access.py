@@ -1,0 +1,26 @@
+"""Reads of py-libp2p 0.8.1 internals that have no public API, each behind a function named for what it gives.
+
+Listed in ``patches.INTERNALS``: an upgrade checks these names still exist and mean the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from libp2p.abc import IHost, INetStream
+from libp2p.kad_dht.kad_dht import KadDHT, _encode_key
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+
+
+def inbound_stream_entry(host: IHost) -> Callable[[INetStream], Awaitable[None]]:
+    """The host's own handler for every inbound stream (protocol negotiation, then the protocol's handler), to wrap
+    with a gate: ``network.set_stream_handler`` replaces it, and the host offers no public way to call it."""
+    return host._swarm_stream_handler  # type: ignore[attr-defined]
+
+
+async def providers_from_peer(dht: KadDHT, peer: ID, cid: str) -> list[PeerInfo]:
+    """The providers of ``cid`` that ``peer`` knows, asked directly (patch ``dht-local-providers``:
+    ``find_providers`` answers from the local store alone once it holds any record)."""
+    providers, _ = await dht.provider_store._get_providers_from_peer_with_closers(peer, _encode_key(cid))
+    return list(providers)
