@@ -411,3 +411,16 @@ async def test_stock_find_providers_answers_from_the_local_store_alone():
             b.dht.provider_store.add_provider(_encode_key(cid), PeerInfo(other, somewhere))
             assert [p.peer_id for p in await a.dht.find_providers(cid)] == [known]
             assert [p.peer_id for p in await providers_from_peer(a.dht, b.peer_id, cid)] == [other]
+
+
+def test_every_patch_names_an_upstream_report_and_a_test_that_exist():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for patch in libp2p_patches.PATCHES:
+        assert patch.report.is_file(), f"{patch.name}: no {patch.report}"
+        path, _, test = patch.test.partition("::")
+        assert f"def {test.split()[0]}(" in (root / path).read_text(), patch.test
+        assert patch.install is None or patch.install[1] in patch.target, patch.name
+    sent = {p.report.name for p in libp2p_patches.PATCHES}
+    assert sent == {p.name for p in (root / "docs" / "upstream").glob("libp2p-*.md")}  # no report without a patch
