@@ -112,6 +112,7 @@ async def test_corrupt_chunks_and_forged_manifests_are_refused(tmp_path, tiny_mo
 async def test_download_killed_midway_resumes_from_what_is_on_disk(tmp_path, tiny_model_dir):
     from node.strikes import Strikes
     from node.weights.fetcher import Download
+    from node.weights.policy import FetchSettings
 
     async with trio.open_nursery() as nursery, AsyncExitStack() as stack:
         boot = await start_bootstrap(nursery, tmp_path)
@@ -134,8 +135,7 @@ async def test_download_killed_midway_resumes_from_what_is_on_disk(tmp_path, tin
             trainer.swarm.peer_id,
             lambda: [],
             Strikes(2),
-            workers_per_peer=1,
-            batch=1,
+            FetchSettings(workers_per_peer=1, batch=1),
         )
         with trio.move_on_after(30):
             async with trio.open_nursery() as inner:
@@ -363,6 +363,7 @@ async def test_endgame_asks_a_second_peer_for_chunks_stuck_at_a_slow_one(tmp_pat
 
     from node.strikes import Strikes
     from node.weights.fetcher import Download
+    from node.weights.policy import FetchSettings
     from node.weights.publish import Publisher
     from node.weights.server import WeightServer
     from tests.helpers import publish_model
@@ -396,7 +397,7 @@ async def test_endgame_asks_a_second_peer_for_chunks_stuck_at_a_slow_one(tmp_pat
         store.add_manifest(*source.manifest(mid))
         download = Download(
             me.host, store, manifest, mid, None, lambda: [slow_node.peer_id, fast_node.peer_id], Strikes(3),
-            batch=4,
+            FetchSettings(batch=4),
         )  # fmt: skip
         t0 = trio.current_time()
         with trio.fail_after(20):
@@ -416,6 +417,7 @@ async def test_a_node_on_a_slow_downlink_does_not_blame_honest_peers_for_it(tmp_
 
     from node.strikes import Strikes
     from node.weights.fetcher import Download
+    from node.weights.policy import FetchSettings
     from node.weights.publish import Publisher
     from node.weights.server import WeightServer
     from tests.helpers import publish_model
@@ -452,7 +454,7 @@ async def test_a_node_on_a_slow_downlink_does_not_blame_honest_peers_for_it(tmp_
         strikes = Strikes(3)
         download = Download(
             me.host, store, manifest, mid, None, lambda: [p.peer_id for p in peers], strikes,
-            min_rate=64 << 10, min_in_flight=256 << 10,
+            FetchSettings(min_rate=64 << 10, min_in_flight=256 << 10),
         )  # fmt: skip
         t0 = trio.current_time()
         with trio.fail_after(60):

@@ -35,6 +35,7 @@ from node.host import Swarm
 from node.rpc import request, serve
 from node.runtime import run_node
 from node.settings import load_config_file
+from node.weights.patch import WeightChanges
 from node.weights.server import WeightServer
 from node.weights.store import ChunkStore
 from node.weights.sync import WeightSync
@@ -85,7 +86,7 @@ class CorruptSeeder:
     def register(self, swarm: Swarm) -> None:
         self.server.register(swarm.host)
 
-        async def keep(version: int, path: Path) -> None:
+        async def keep(version: int, path: Path, changes: WeightChanges | None) -> None:
             pass
 
         assert self.config.trainer_id is not None

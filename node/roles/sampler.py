@@ -21,6 +21,7 @@ from node.engines import install as install_weights
 from node.host import Swarm
 from node.rpc import request
 from node.settings import Settings
+from node.weights.patch import WeightChanges
 from node.weights.server import WeightServer
 from node.weights.store import ChunkStore
 from node.weights.sync import WeightSync
@@ -111,16 +112,16 @@ class SamplerRole:
             self.trainer_id,
             self.install_version,
             self.weight_settings,
+            peers=swarm.chunk_peers,  # chunks over direct connections; relays only as a last resort
         )
-        self.weights.peers = swarm.chunk_peers  # chunks over direct connections; relays only as a last resort
 
-    async def install_version(self, version: int, path: Path, changes: Any = None) -> None:
+    async def install_version(self, version: int, path: Path, changes: WeightChanges | None) -> None:
         """First version: build the engine. Later ones: hot-swap (in place when ``changes`` say which elements of
         the running version changed), after any in-flight group finishes."""
         await self._install(version, path, changes)
         self.versions.installed(version)
 
-    async def _install(self, version: int, path: Path, changes: Any = None) -> None:
+    async def _install(self, version: int, path: Path, changes: WeightChanges | None) -> None:
         if self.engine is None:
             self.engine = await trio.to_thread.run_sync(self.engine_factory, path, version)
             self.engine_ready.set()

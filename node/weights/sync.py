@@ -8,11 +8,12 @@ fetches the missing links' manifests (signed by the trainer, each hashing to the
 every step's chunks at once, rebuilds the versions in order (each tensor checked against its hash), and hands
 the engine the positions that changed since the version it runs (``changes``) so it can update in place. A bad
 link (a chunk damaged on disk, a parent whose bits do not give the hashed result) is dropped and fetched again,
-never applied."""
+never applied.
+
+Which version to chase, when to give up on a download or an announcer, when to rebuild: node/weights/policy.py."""
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -26,19 +27,38 @@ from node.host import Swarm
 from node.rpc import request
 from node.settings import WeightSettings
 from node.strikes import Strikes
+from node.weights import policy
 from node.weights.chain import Step, plan, plan_bytes
 from node.weights.fetcher import Download
 from node.weights.gossip import Gossip, announce_topic
 from node.weights.hashes import manifest_id
 from node.weights.manifest import ForgedManifest, verify_manifest
 from node.weights.patch import PatchError, TensorMismatch, WeightChanges
+from node.weights.policy import FetchSettings
 from node.weights.store import BadChunk, ChunkStore
 from protocols import weights as w
 from protocols.errors import ProtocolError
 
 log = logging.getLogger(__name__)
 
-BUILD_RETRIES = 3  # rebuild attempts of one target after bad links, before waiting for a newer one
+OnVersion = Callable[[int, Path, WeightChanges | None], Awaitable[None]]
+"""Called with each version the node now holds: its number, its model dir, and what changed since the version
+handed over before (None: load it whole)."""
+
+
+def fetch_settings(s: WeightSettings) -> FetchSettings:
+    """A download's knobs, as the user set them."""
+    return FetchSettings(
+        workers_per_peer=s.workers_per_peer,
+        have_interval=s.have_interval,
+        request_timeout=s.request_timeout,
+        min_rate=s.min_rate,
+    )
+
+
+def swarm_peers(swarm: Swarm) -> Callable[[], list[ID]]:
+    """Every peer ``swarm`` is connected to, itself excluded: whom a node asks for chunks unless told otherwise."""
+    return lambda: [p for p in swarm.host.get_connected_peers() if p != swarm.peer_id]
 
 
 class PlanDownload:
@@ -79,11 +99,14 @@ class WeightSync:
         gossip: Gossip,
         swarm_name: str,
         trainer_id: ID,
-        on_version: Callable[[int, Path], Awaitable[None]],
+        on_version: OnVersion,
         settings: WeightSettings | None = None,
+        peers: Callable[[], list[ID]] | None = None,
     ) -> None:
+        """``peers``: whom to ask for chunks and manifests (default: every connected peer)."""
         settings = settings or WeightSettings()
         self.swarm = swarm
+        self.peers = peers or swarm_peers(swarm)
         self.store = store
         self.gossip = gossip
         self.swarm_name = swarm_name
@@ -103,17 +126,10 @@ class WeightSync:
         self._trainer_asked = trio.Event()
         self.download: PlanDownload | None = None
         self._target_changed = trio.Event()
-        try:
-            self._takes_changes = "changes" in inspect.signature(on_version).parameters
-        except (TypeError, ValueError):
-            self._takes_changes = False
         self.routes: dict[str, int] = {"built": 0, "full": 0, "patch": 0}  # steps taken, by route
         self.last_plan: list[tuple[int, str, int]] = []  # (version, route, bytes to fetch) of the last plan
         self.bad_links = 0  # builds refused: damaged chunks, parents whose bits did not give the hashed result
         self._build_failures: dict[bytes, int] = {}
-
-    def peers(self) -> list[ID]:
-        return [p for p in self.swarm.host.get_connected_peers() if p != self.swarm.peer_id]
 
     async def run(self) -> None:
         await self._resume()  # a version fully on disk is usable at once
@@ -145,9 +161,9 @@ class WeightSync:
         """Handle each announcement in its own task (a peer that never answers must not hold up the others), at
         most a few at once; versions not newer than what we hold or chase are ignored, each manifest id once."""
         version, mid = w.parse_announce(message)
-        if (self.target is not None and version <= self.target[0]) or version <= self.current:
-            return
-        if mid in self._pending_ids or self.strikes.is_banned(sender) or len(self._pending_ids) >= 64:
+        target = self.target[0] if self.target is not None else None
+        banned = self.strikes.is_banned(sender)
+        if not policy.take_announcement(version, mid, self.current, target, self._pending_ids, banned):
             return
         self._pending_ids.add(mid)
         self._nursery.start_soon(self._consider_announced, sender, mid)
@@ -160,7 +176,7 @@ class WeightSync:
             async with self._announce_slots:
                 if not await self.consider(sender, mid) and sender != self.trainer_id:
                     self._announce_failures[str(sender)] = self._announce_failures.get(str(sender), 0) + 1
-                    if self._announce_failures[str(sender)] >= 3:  # announces what it cannot produce
+                    if policy.strike_announcer(self._announce_failures[str(sender)]):
                         self.strikes.strike(sender)
         finally:
             self._pending_ids.discard(mid)
@@ -191,8 +207,7 @@ class WeightSync:
             mid = manifest_id(signed)
         else:
             signed, manifest = known
-        newest = self.target[0] if self.target is not None else self.current
-        if manifest.version <= newest:
+        if not policy.is_news(manifest.version, self.current, self.target[0] if self.target is not None else None):
             return True
         self.store.add_manifest(signed, manifest)
         self.target = (manifest.version, mid, manifest)
@@ -215,8 +230,8 @@ class WeightSync:
         if known is not None:
             return known
         if sources is None:
-            others = [p for p in self.peers() if p != self.trainer_id and not self.strikes.is_banned(p)]
-            sources = [self.trainer_id, *others[:3]]
+            others = [p for p in self.peers() if not self.strikes.is_banned(p)]
+            sources = policy.manifest_sources(self.trainer_id, others)
         for peer in sources:
             try:
                 signed, manifest = await self._request_manifest(peer, mid, self.settings.manifest_timeout)
@@ -253,7 +268,6 @@ class WeightSync:
         return signed, manifest
 
     def _new_download(self, step: Step) -> Download:
-        s = self.settings
         return Download(
             self.swarm.host,
             self.store,
@@ -262,10 +276,7 @@ class WeightSync:
             self.trainer_id,
             self.peers,
             self.strikes,
-            workers_per_peer=s.workers_per_peer,
-            have_interval=s.have_interval,
-            request_timeout=s.request_timeout,
-            min_rate=s.min_rate,
+            fetch_settings(self.settings),
             wanted=None
             if step.route == "full" and step.manifest.patch is None
             else self.store.route_chunks(step.manifest, step.route),
@@ -350,8 +361,9 @@ class WeightSync:
             except (PatchError, BadChunk, FileNotFoundError) as exc:
                 self.bad_links += 1
                 failures = self._build_failures[mid] = self._build_failures.get(mid, 0) + 1
-                log.warning("version %d not built (%s); %s", version, exc, "fetching again" if failures < 3 else "")
-                if failures < BUILD_RETRIES:
+                again = policy.rebuild_now(failures)
+                log.warning("version %d not built (%s); %s", version, exc, "fetching again" if again else "")
+                if again:
                     self._target_changed.set()  # plan again: the bad chunk is gone, the suspect parent unbuilt
                 else:
                     self._poke_later(version)
@@ -367,7 +379,7 @@ class WeightSync:
         A download being finished that stops moving (its last chunks were garbage-collected everywhere) is
         cancelled after ``stall_timeout`` seconds without progress."""
         await self._target_changed.wait()
-        if download.fraction_done() < self.settings.finish_fraction and self._cancelled_in_a_row == 0:
+        if policy.cancel_for_newer(download.fraction_done(), self.settings.finish_fraction, self._cancelled_in_a_row):
             scope.cancel()
             return
         log.info("version %d is %.0f%% here: finishing it first", version, 100 * download.fraction_done())
@@ -384,10 +396,9 @@ class WeightSync:
     ) -> None:
         if path is None:
             path = await trio.to_thread.run_sync(self.store.assemble, manifest)
-        if changes is not None and self._takes_changes and changes.base != changes.version:
-            await self.on_version(manifest.version, path, changes=changes)
-        else:
-            await self.on_version(manifest.version, path)
+        if changes is not None and changes.base == changes.version:
+            changes = None  # a built version alone, no patch applied: what changed is not known, load it whole
+        await self.on_version(manifest.version, path, changes)
         self._build_failures.pop(mid, None)
         self.current = manifest.version
         heard = self.heard_at.pop(manifest.version, None)

@@ -1,0 +1,282 @@
+"""The rules of weight distribution, as pure functions over plain data (node/weights/fetcher.py and
+node/weights/sync.py keep the trio mechanics and ask these what to do).
+
+Picking (``pick``). A peer is asked for the missing chunks it holds that nobody is fetching yet, rarest first
+(rarity: how many credible peers other than the origin claim a chunk; dropped peers' claims do not count), ties
+broken by a per-download random order that spreads concurrent downloaders over different chunks. A request
+carries about 4 MiB (``Layout.batch`` chunks of the typical size), the origin's about 1 MiB.
+
+The origin (the trainer) is asked only for chunks no credible peer holds, or that a request to a peer failed
+for; for the others only when nothing has arrived for ``STALL_GRACE`` seconds or nothing is in flight (claims
+are not chunks), and never for a chunk it declined less than ``ORIGIN_DECLINE_WAIT`` seconds ago.
+
+Endgame (``endgame``). A non-origin peer with nothing new to give is asked for chunks it holds that are requested
+exactly once, elsewhere, oldest request first, about ``ENDGAME_BYTES`` at a time.
+
+Pacing (``arrival_rate``, ``in_flight_budget``, ``fit``, ``reply_deadline``). Bytes in flight stay within
+``IN_FLIGHT_SECONDS`` of the rate chunks have been arriving at (``min_in_flight`` before any has); a request
+always carries at least one chunk. A peer's reply must come at ``min_rate`` or better, allowing for everything
+queued before it on this node's own downlink, and within ``request_timeout`` (the origin's: that alone).
+
+Blame (``drop_reason``, ``rest_for``). A peer whose replies missed their deadline ``SLOW_LIMIT`` times, or that
+failed to serve ``WITHHELD_LIMIT`` or more chunks it advertised, more than the typical chunks it did serve, is
+dropped from the download (and struck). "busy"/"rate_limited" is no fault: the peer rests ``rest_for`` seconds.
+A worker gives up on its peer after ``WORKER_FAILURES`` failed requests in a row.
+
+Versions (``is_news``, ``take_announcement``, ``cancel_for_newer``, ``rebuild_now``). A version is worth chasing
+when it is newer than the one running and the one being fetched. An announcer whose announcements give nothing
+usable ``ANNOUNCE_FAILURES`` times is struck. A newer target cancels a download unless that one is at least
+``finish_fraction`` done or the previous download was cancelled too. A build that failed is planned again at once
+up to ``BUILD_RETRIES`` times, then only after the poll interval.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from protocols import weights as w
+
+STALL_GRACE = 1.0  # seconds without a chunk arriving after which the origin serves chunks others only claim
+ORIGIN_DECLINE_WAIT = 1.0  # seconds before asking the origin again for a chunk it declined (super-seeding)
+ENDGAME_BYTES = 1 << 20  # a duplicate (endgame) request asks for about this much
+IN_FLIGHT_SECONDS = 4.0  # bytes in flight: this many seconds at the rate chunks have been arriving
+RATE_WINDOW = 5.0  # seconds of arrivals the rate is measured over
+REQUEST_BYTES = 4 << 20  # a request to a peer asks for about this much
+ORIGIN_REQUEST_BYTES = 1 << 20  # ... and to the origin, whose uplink every downloader shares
+SLOW_LIMIT = 2  # replies past their deadline before a peer is dropped
+WITHHELD_LIMIT = 4  # advertised chunks not served before a peer may be dropped
+WORKER_FAILURES = 3  # failed requests in a row before a worker stops asking its peer
+MAX_REST = 10.0  # most seconds a busy peer rests before it is asked again
+ANNOUNCE_FAILURES = 3  # useless announcements before the announcer is struck
+MAX_PENDING_ANNOUNCEMENTS = 64  # announced manifests being fetched at once
+BUILD_RETRIES = 3  # rebuild attempts of one target after bad links, before waiting for a newer one
+
+P = TypeVar("P", bound=Hashable)
+
+
+@dataclass(frozen=True)
+class FetchSettings:
+    """The knobs of one download (node/settings.py's WeightSettings holds those a user sets)."""
+
+    workers_per_peer: int = 1  # concurrent requests per peer
+    batch: int = w.MAX_CHUNKS_PER_REQUEST  # most chunks per request
+    have_interval: float = 0.5  # seconds between polls of a peer's have-bitfield
+    request_timeout: float = 20.0  # most seconds for one request
+    min_rate: float = 256 << 10  # bytes/s a peer's reply must come at
+    max_neighbours: int = 6  # peers a download works with besides the origin
+    min_in_flight: int = 4 << 20  # bytes in flight allowed before the arrival rate is known
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a download fixes when it starts: the manifest's chunks by index, their sizes, how many make a request."""
+
+    chunks: tuple[bytes, ...]
+    sizes: tuple[int, ...]  # bytes of each chunk, by index
+    typical: int  # the chunk size requests are planned with
+    batch: int  # most chunks per request to a peer
+    origin_batch: int  # ... to the origin
+    endgame_batch: int  # ... in an endgame request
+    order: tuple[float, ...]  # tie-break among equally rare chunks
+    index: Mapping[bytes, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(
+        cls, chunks: Sequence[bytes], sizes: Mapping[bytes, int], route: Collection[bytes], chunk_size: int,
+        batch: int, order: Sequence[float],
+    ) -> Layout:  # fmt: skip
+        """Tensor-aligned chunks are often far below ``chunk_size``, so requests are sized by a generous guess at a
+        typical chunk of ``route`` (4x the mean, at most ``chunk_size``): on a long-RTT path each request then
+        carries ~4 MiB."""
+        mean = max(1, sum(sizes.get(h, 0) for h in route) // max(1, len(route)))
+        typical = min(chunk_size, 4 * mean)
+        per_request = max(1, min(batch, w.MAX_CHUNKS_PER_REQUEST, REQUEST_BYTES // typical))
+        return cls(
+            chunks=tuple(chunks),
+            sizes=tuple(sizes.get(h, typical) for h in chunks),
+            typical=typical,
+            batch=per_request,
+            origin_batch=max(1, min(per_request, ORIGIN_REQUEST_BYTES // typical)),
+            endgame_batch=max(1, min(per_request, ENDGAME_BYTES // typical)),
+            order=tuple(order),
+            index={h: i for i, h in enumerate(chunks)},
+        )
+
+    def bytes_of(self, chunks: Iterable[int]) -> int:
+        return sum(self.sizes[i] for i in chunks)
+
+
+@dataclass(frozen=True)
+class Board:
+    """What a download knows when it picks (read-only views of its state; the functions never change them)."""
+
+    missing: Collection[int]
+    holders: Mapping[Hashable, Collection[int]]  # peer -> chunks it claims
+    in_flight: Mapping[int, int]  # chunk -> requests out for it
+    requests: Sequence[tuple[Hashable, Sequence[int]]]  # (peer, chunks) of the requests in flight, oldest first
+    origin: Hashable | None
+    dropped: Collection[Hashable] = frozenset()  # peers no longer asked: their claims do not count
+    failed: Collection[int] = frozenset()  # chunks a request to a peer failed for: the origin may serve them
+    declined: Mapping[int, float] = field(default_factory=dict)  # chunk -> when the origin may be asked again
+    last_arrival: float = 0.0  # when the last chunk arrived
+
+
+# -- picking ---------------------------------------------------------------------------------------------------
+def rarity(chunk: int, board: Board, exclude: Hashable | None = None) -> int:
+    """How many credible peers other than the origin (and ``exclude``) claim ``chunk``."""
+    return sum(
+        1
+        for p, bits in board.holders.items()
+        if chunk in bits and p != exclude and p != board.origin and p not in board.dropped
+    )
+
+
+def pick(peer: Hashable, board: Board, layout: Layout, now: float, room: int) -> list[int]:
+    """The chunks to ask ``peer`` for next (empty: nothing), within ``room`` bytes of the in-flight budget."""
+    bits = board.holders.get(peer, frozenset())
+    candidates = [i for i in board.missing if i in bits and not board.in_flight.get(i, 0)]
+    if peer == board.origin:
+        candidates = [i for i in candidates if board.declined.get(i, 0.0) <= now]
+        unique = [i for i in candidates if rarity(i, board) == 0 or i in board.failed]
+        stalled = now - board.last_arrival > STALL_GRACE
+        quiet = not any(board.in_flight.values())
+        candidates = unique or (candidates if stalled or quiet else [])
+        limit = layout.origin_batch
+    elif not candidates:
+        return fit(endgame(peer, board, layout.endgame_batch), layout.sizes, room)
+    else:
+        limit = layout.batch
+    candidates.sort(key=lambda i: (rarity(i, board, exclude=peer), layout.order[i]))
+    return fit(candidates[:limit], layout.sizes, room)
+
+
+def endgame(peer: Hashable, board: Board, limit: int) -> list[int]:
+    """Chunks ``peer`` holds that are requested exactly once, from someone else: the oldest requests first."""
+    bits = board.holders.get(peer, frozenset())
+    asked_here = {i for p, chunks in board.requests if p == peer for i in chunks}
+    out: list[int] = []
+    for _peer, chunks in board.requests:
+        for i in chunks:
+            if i in board.missing and i in bits and board.in_flight.get(i, 0) == 1 and i not in asked_here:
+                if i not in out:
+                    out.append(i)
+    return out[:limit]
+
+
+def superseded(chunks: Iterable[int], missing: Collection[int]) -> bool:
+    """Every chunk of a request has arrived by another route: the request may be cancelled."""
+    return not any(i in missing for i in chunks)
+
+
+def neighbours(current: Sequence[P], connected: Sequence[P], limit: int) -> list[P]:
+    """The peers a download works with (BitTorrent's peer set: polling everyone costs the swarm N squared polls):
+    those of ``current`` still connected, topped up to ``limit`` from ``connected`` in its order (the caller
+    shuffles it, so that downloaders spread over the swarm)."""
+    keep = [p for p in current if p in connected]
+    spare = [p for p in connected if p not in keep]
+    return keep + spare[: max(0, limit - len(keep))]
+
+
+def due_for_poll(held: int, total: int, heard: float | None, now: float, interval: float) -> bool:
+    """Ask a peer for its have-bitfield: unless it holds everything or we learned it less than ``interval`` ago."""
+    return held < total and (heard is None or now - heard >= interval)
+
+
+# -- pacing ----------------------------------------------------------------------------------------------------
+def arrival_rate(arrivals: Iterable[tuple[float, int]], now: float, started: float) -> float:
+    """Bytes/s chunks arrived at (``(when, bytes)`` each) over the last ``RATE_WINDOW`` seconds; 0 before any."""
+    span = max(1.0, min(RATE_WINDOW, now - started))
+    return sum(n for t, n in arrivals if now - t <= RATE_WINDOW) / span
+
+
+def in_flight_budget(rate: float, min_in_flight: int) -> int:
+    """How many bytes may be requested and not yet arrived: a few seconds of this node's own download rate."""
+    return max(min_in_flight, int(rate * IN_FLIGHT_SECONDS))
+
+
+def fit(batch: Sequence[int], sizes: Sequence[int], room: int) -> list[int]:
+    """The head of ``batch`` that fits in ``room`` bytes (always one chunk: a request must make progress)."""
+    out: list[int] = []
+    for i in batch:
+        room -= sizes[i]
+        if out and room < 0:
+            break
+        out.append(i)
+    return out
+
+
+def reply_deadline(
+    from_origin: bool, size: int, in_flight: int, rate: float, settings: FetchSettings
+) -> float:  # fmt: skip
+    """Seconds a reply of ``size`` bytes may take. The origin is trusted and shared by everyone: only the request
+    timeout applies. A peer must send at ``min_rate``, and its reply may queue on our own downlink behind the
+    ``in_flight`` bytes requested before it (at the rate chunks have been arriving)."""
+    if from_origin:
+        return settings.request_timeout
+    queued = in_flight / (rate or settings.min_rate)
+    return min(settings.request_timeout, 3.0 + max(size / settings.min_rate, queued))
+
+
+# -- blame -----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Record:
+    """One peer's conduct in one download."""
+
+    slow: int = 0  # replies that missed their deadline
+    withheld: int = 0  # chunks it advertised and then did not serve
+    served: int = 0  # bytes it served
+
+
+def drop_reason(record: Record, typical: int) -> str | None:
+    """Why a peer is no longer asked in this download (and struck), or None while it may be."""
+    if record.slow >= SLOW_LIMIT:
+        return f"{record.slow} chunk requests got no reply within their deadline"
+    if record.withheld >= WITHHELD_LIMIT and record.withheld > record.served // max(1, typical):
+        return f"advertised {record.withheld} chunks it then did not serve"
+    return None
+
+
+def rest_for(retry_after: float | None) -> float:
+    """Seconds a peer that said "busy" or "rate_limited" is left alone (no blame: its upload limit)."""
+    return min(retry_after or 1.0, MAX_REST)
+
+
+# -- versions --------------------------------------------------------------------------------------------------
+def is_news(version: int, current: int, target: int | None) -> bool:
+    """A version newer than the one running and the one being fetched."""
+    return version > current and (target is None or version > target)
+
+
+def take_announcement(
+    version: int, mid: bytes, current: int, target: int | None, pending: Collection[bytes], sender_banned: bool
+) -> bool:
+    """Fetch an announced manifest: news, not already being fetched, from a peer not banned, and few at once."""
+    return (
+        is_news(version, current, target)
+        and mid not in pending
+        and not sender_banned
+        and len(pending) < MAX_PENDING_ANNOUNCEMENTS
+    )
+
+
+def strike_announcer(failures: int) -> bool:
+    """An announcer whose announcements gave nothing usable this often announces what it cannot produce."""
+    return failures >= ANNOUNCE_FAILURES
+
+
+def manifest_sources(trainer: P, others: Sequence[P], limit: int = 3) -> list[P]:
+    """Whom to ask for a manifest by id: the trainer first, then a few other (not banned) peers."""
+    return [trainer, *[p for p in others if p != trainer][:limit]]
+
+
+def cancel_for_newer(fraction_done: float, finish_fraction: float, cancelled_in_a_row: int) -> bool:
+    """A newer target cancels a download, unless it is mostly done or the previous one was cancelled too: where the
+    trainer publishes faster than a link moves a version, cancelling every time would leave nothing usable."""
+    return fraction_done < finish_fraction and cancelled_in_a_row == 0
+
+
+def rebuild_now(failures: int) -> bool:
+    """After a failed build (its bad chunk dropped, its suspect parent unbuilt): plan again at once, a few times."""
+    return failures < BUILD_RETRIES
