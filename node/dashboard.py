@@ -13,13 +13,16 @@ import json
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from protocols.work import SamplerReport
+
+if TYPE_CHECKING:
+    from node.intake import RolloutIntake
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +60,55 @@ class SwarmView:
 
     def trainer_version(self, version: int) -> None:
         self._point("trainer", version)
+
+    def state(
+        self,
+        swarm: str,
+        trainer: dict[str, Any],
+        intake: RolloutIntake,
+        history: Iterable[dict[str, Any]],
+    ) -> dict[str, Any]:
+        """Everything the page draws: ``trainer`` is the trainer's status with its ``peer_id``, ``history`` its
+        metric records."""
+        now = time.time()
+        peers = set(intake.ledger.accepted_by_peer) | set(self.reports) | set(intake.strikes.counts)
+        rows = []
+        for peer in sorted(peers):
+            seen, report = self.reports.get(peer, (None, None))
+            rows.append(
+                {
+                    "peer_id": peer,
+                    "role": "sampler",
+                    "version": report.version if report else None,
+                    "accepted": intake.ledger.accepted_by_peer.get(peer, 0),
+                    "refused": intake.refused_by_peer.get(peer, 0),
+                    "strikes": intake.strikes.counts.get(peer, 0),
+                    "banned": intake.strikes.is_banned(peer),
+                    "bytes_served": report.bytes_served if report else None,
+                    "engine": report.engine if report else None,
+                    "report_age": round(now - seen, 1) if seen else None,
+                }
+            )
+        trainer_row = {
+            "peer_id": trainer["peer_id"],
+            "role": "trainer",
+            "version": trainer["version"],
+            "accepted": 0,
+            "refused": 0,
+            "strikes": 0,
+            "banned": False,
+            "bytes_served": trainer["bytes_uploaded"],
+            "engine": "learner",
+            "report_age": 0.0,
+        }
+        curve_keys = ("step", "reward", "eval_reward", "eval_accuracy", "busy_fraction")
+        return {
+            "swarm": swarm,
+            "trainer": trainer,
+            "peers": [trainer_row, *rows],
+            "versions": {who: list(points) for who, points in self.timelines.items()},
+            "curves": [{k: r[k] for k in curve_keys if k in r} for r in history],
+        }
 
 
 def _response(status: str, content_type: str, body: bytes) -> bytes:
@@ -104,6 +156,16 @@ def parse_address(text: str) -> tuple[str, int]:
     if not host or not port.isdigit() or int(port) > 65535:
         raise ValueError(f"dashboard address {text!r} must be host:port (e.g. 127.0.0.1:8470)")
     return host.strip("[]"), int(port)
+
+
+async def open_dashboard(nursery: trio.Nursery, address: str, state: Callable[[], dict[str, Any]]) -> str | None:
+    """Serve the dashboard at ``address`` (host:port, or "off") in ``nursery``; its URL, None when off."""
+    if address == "off":
+        return None
+    host, port = parse_address(address)
+    url = await nursery.start(serve_dashboard, state, host, port)
+    log.info("dashboard at %s", url)
+    return url
 
 
 async def serve_dashboard(

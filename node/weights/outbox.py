@@ -1,0 +1,159 @@
+"""A version's way out of the trainer: stage its model dir, publish it (chunks, signed manifest), announce it by
+gossip (now and forever after), drop what the store no longer needs. No torch here.
+
+The trainer names versions as it trains (``after_step``); one is in flight at a time, so a publish slower than
+``every`` steps never makes the loop wait: the versions that fall due meanwhile coalesce into the next one named
+(``cadence``, a pure rule). bench/wan_node.py sends its versions through the same object (``send``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+import trio
+
+from node.weights.gossip import announce_topic
+from node.weights.publish import Publisher
+from protocols import weights as weights_proto
+from protocols.weights import Manifest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """Which versions a training run names: one every ``every`` steps, or the first step after, when the last one
+    named is still being published then."""
+
+    every: int
+    named_at: int = 0  # the step the last version was named at
+    due: bool = False  # a version fell due and is not named yet
+    coalesced: int = 0  # due versions never named: a later one went out in their place
+
+
+def cadence(c: Cadence, step: int, in_flight: bool) -> tuple[Cadence, bool]:
+    """After training step ``step``: the new cadence, and whether to name a version now."""
+    due, coalesced = c.due, c.coalesced
+    if step % c.every == 0:
+        due, coalesced = True, coalesced + due  # the last due one was never named
+    if due and not in_flight:
+        return replace(c, named_at=step, due=False, coalesced=coalesced), True
+    return replace(c, due=due, coalesced=coalesced), False
+
+
+def final_due(c: Cadence, step: int) -> bool:
+    """At the run's end: whether steps trained since the last version named still need one (the final version)."""
+    return step > c.named_at
+
+
+class Announcer(Protocol):
+    async def publish(self, topic: str, message: dict[str, Any]) -> None: ...
+
+
+class Outbox:
+    """``stage(version, path)`` (blocking, run in a thread) writes a version's model dir where the publisher takes
+    it; ``on_published(version, manifest)`` runs after each publish, before the announcement; ``keep`` is the store's
+    gc (None: no gc). ``run_sync`` is where blocking work runs (a worker thread)."""
+
+    name: Callable[[], int]  # these three: ``start``
+    write: Callable[[int], object]
+    sent: Callable[[dict[str, Any]], None]
+
+    def __init__(
+        self,
+        publisher: Publisher,
+        stage: Callable[[int, Path], object],
+        gossip: Announcer,
+        swarm_name: str,
+        keep: int | None = None,
+        on_published: Callable[[int, Manifest], None] = lambda version, manifest: None,
+        run_sync: Callable[..., Awaitable[Any]] = trio.to_thread.run_sync,
+    ) -> None:
+        self.publisher, self.stage, self.gossip, self.topic = publisher, stage, gossip, announce_topic(swarm_name)
+        self.keep, self.on_published, self.run_sync = keep, on_published, run_sync
+        self.published: tuple[int, bytes] | None = None  # (version, manifest id) announced last
+        self.update_bytes = 0  # what the last version published costs to fetch (a patch's size, if it has one)
+        self.cadence = Cadence(1)
+        self.in_flight = False
+
+    async def send(self, version: int) -> Manifest:
+        """Stage, publish and announce ``version``; then gc the store."""
+        staging = self.publisher.staging_dir(version)
+        await self.run_sync(self.stage, version, staging)
+        mid, _, manifest = await self.run_sync(self.publisher.publish, staging, version)
+        self.published, self.update_bytes = (version, mid), manifest.update_size
+        log.info(
+            "published version %d (%d chunks, %.1f MB%s)",
+            version,
+            len(manifest.all_chunks()),
+            manifest.total_size / 1e6,
+            f"; patch {manifest.patch.size / 1e6:.2f} MB" if manifest.patch is not None else "",
+        )
+        self.on_published(version, manifest)
+        await self.announce()
+        if self.keep is not None:
+            await self.run_sync(self.publisher.store.gc, self.keep)
+        return manifest
+
+    async def announce(self) -> None:
+        if self.published is not None:
+            version, mid = self.published
+            try:
+                await self.gossip.publish(self.topic, weights_proto.announce(version, mid))
+            except Exception as exc:
+                log.debug("announce failed: %s", exc)
+
+    async def announce_forever(self, interval: float) -> None:
+        """Announce the latest version again every ``interval`` seconds: nodes that join late, or missed it, hear."""
+        while True:
+            await trio.sleep(interval)
+            await self.announce()
+
+    # -- versions named while training -------------------------------------------------------------------
+    def start(
+        self,
+        every: int,
+        step: int,
+        name: Callable[[], int],
+        write: Callable[[int], object],
+        sent: Callable[[dict[str, Any]], None] = lambda record: None,
+    ) -> None:
+        """A training run begins after step ``step``, due to name a version every ``every`` steps: ``name()`` names
+        one (quickly, in the loop), ``write(version)`` writes its weights (blocking, in the background, while the
+        next step trains); once it is announced, ``sent`` gets its record: the version, the seconds since it was
+        named, the bytes that travel and the time spent building its patch."""
+        self.cadence, self.name, self.write, self.sent = Cadence(every, named_at=step), name, write, sent
+
+    def after_step(self, nursery: trio.Nursery, step: int) -> None:
+        """Training step ``step`` is done: when a version is due and none is in flight, name one now, and write and
+        send it in the background (in ``nursery``)."""
+        self.cadence, now = cadence(self.cadence, step, self.in_flight)
+        if now:
+            self.in_flight = True
+            nursery.start_soon(self._write_and_send, self.name())
+
+    async def finish(self, step: int) -> None:
+        """The run's end (nothing in flight): the last steps' weights go out too, as its final version."""
+        if final_due(self.cadence, step):
+            self.cadence = replace(self.cadence, named_at=step)
+            await self._write_and_send(self.name())
+
+    async def _write_and_send(self, version: int) -> None:
+        t0 = trio.current_time()
+        try:
+            await self.run_sync(self.write, version)
+            await self.send(version)
+        finally:
+            self.in_flight = False
+        stats = self.publisher.last_stats
+        self.sent(
+            {
+                "published": version,
+                "publish_seconds": trio.current_time() - t0,
+                **({"publish_bytes": self.update_bytes, "publish_patch_seconds": stats.patch_seconds} if stats else {}),
+            }
+        )
