@@ -21,13 +21,15 @@ from __future__ import annotations
 import base64
 import hashlib
 import logging
-from typing import Protocol
+from collections.abc import Collection, Hashable, Mapping, Sequence
+from typing import Protocol, TypeVar
 
 import trio
 from libp2p.abc import IHost
 from libp2p.kad_dht.kad_dht import KadDHT
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
+from multiaddr import Multiaddr
 
 from node.libp2p import providers_from_peer
 
@@ -129,3 +131,132 @@ async def find_role(swarm: DhtNode, key: str, timeout: float = 10.0) -> list[Pee
                 unique.setdefault(str(info.peer_id), info)
         return list(unique.values())
     return []
+
+
+# -- a sampler's place in the swarm ------------------------------------------------------------------------------
+REDIAL_TIMEOUT = 5.0  # seconds to try the trainer's last known addresses before asking the DHT
+
+P = TypeVar("P", bound=Hashable)
+
+
+class DialingNode(DhtNode, Protocol):
+    """What a sampler's discovery needs of a node: the DHT, and dialing (node/host.py's Swarm)."""
+
+    async def connect(self, info: PeerInfo, timeout: float = ...) -> None: ...
+
+
+def must_find_trainer(found: bool, connected: bool) -> bool:
+    """Look for the trainer when it was never found, or its connection is gone."""
+    return not found or not connected
+
+
+def next_look(trainer_found: bool, interval: float) -> float:
+    """Seconds until discovery looks again (sooner when told the trainer is lost): often while searching."""
+    return interval if not trainer_found else 4 * interval
+
+
+def trusted_providers(found: Sequence[PeerInfo], trainer_id: ID) -> tuple[list[PeerInfo], list[PeerInfo]]:
+    """(the trusted trainer's provider records, the others): anyone can provide the trainer's key."""
+    return [i for i in found if i.peer_id == trainer_id], [i for i in found if i.peer_id != trainer_id]
+
+
+def dial_backoff(failures: int) -> float:
+    """Seconds before a sampler that could not be dialled ``failures`` times in a row is dialled again."""
+    return min(300.0, 10.0 * 2**failures)
+
+
+def sampler_dials(
+    listed: Sequence[P], me: P, connected: Collection[P], not_before: Mapping[str, float], now: float
+) -> tuple[list[P], list[P]]:
+    """Of the samplers the DHT lists: (those already connected, those to dial). A peer whose dials failed lately is
+    left alone until ``not_before`` (by ``str(peer)``) has passed; we never dial ourselves."""
+    known = [p for p in listed if p != me and p in connected]
+    dial = [p for p in listed if p != me and p not in connected and not_before.get(str(p), 0.0) <= now]
+    return known, dial
+
+
+class SamplerDiscovery:
+    """A sampler's place in the swarm: the trusted trainer found (first where it was last reached, else through
+    the DHT) and kept connected, and every sampler the DHT lists connected to, new ones and those whose connection
+    died (a stalled process, a NAT mapping gone), so the swarm heals. Failed dials back off."""
+
+    def __init__(self, swarm_name: str, trainer_id: ID, interval: float) -> None:
+        self.swarm_name = swarm_name
+        self.trainer_id = trainer_id
+        self.interval = interval
+        self.trainer_found = trio.Event()
+        self.trainer_found_by = {"last_addresses": 0, "dht": 0}  # how each (re)connection to the trainer came about
+        self.trainer_addrs: list[Multiaddr] = []  # where the DHT last led us to the trainer (the peerstore forgets)
+        self.samplers: set[str] = set()  # every sampler the DHT listed that we have been connected to
+        self._redial_at: dict[str, tuple[float, int]] = {}  # sampler -> (not before, failures): dial backoff
+        self._lost = trio.Event()  # set when the trainer is lost: the loop wakes to look at once
+
+    def lost_trainer(self) -> None:
+        """The trainer stopped answering (it may have restarted, or moved): find it again, now."""
+        self.trainer_found = trio.Event()
+        self._lost.set()
+
+    async def run(self, swarm: DialingNode) -> None:
+        while True:
+            self._lost = trio.Event()
+            connected = self.trainer_id in swarm.host.get_connected_peers()
+            if must_find_trainer(self.trainer_found.is_set(), connected):
+                await self.find_trainer(swarm)
+            await self.connect_samplers(swarm)
+            with trio.move_on_after(next_look(self.trainer_found.is_set(), self.interval)):
+                await self._lost.wait()
+
+    async def connect_samplers(self, swarm: DialingNode) -> None:
+        listed = {info.peer_id: info for info in await find_role(swarm, role_key(self.swarm_name, "sampler"))}
+        now = trio.current_time()
+        not_before = {k: at for k, (at, _) in self._redial_at.items()}
+        known, dial = sampler_dials(list(listed), swarm.peer_id, set(swarm.host.get_connected_peers()), not_before, now)
+        self.samplers.update(str(p) for p in known)
+        for peer in dial:
+            key = str(peer)
+            try:
+                await swarm.connect(listed[peer])
+                self.samplers.add(key)
+                self._redial_at.pop(key, None)
+            except Exception as exc:
+                failures = self._redial_at.get(key, (0.0, 0))[1] + 1
+                self._redial_at[key] = (now + dial_backoff(failures), failures)
+                log.debug("cannot reach sampler %s: %s", peer, exc)
+        if len(self._redial_at) > 10_000:
+            self._redial_at.clear()
+
+    async def find_trainer(self, swarm: DialingNode) -> None:
+        if await self.redial_trainer(swarm):
+            return
+        found = await find_role(swarm, role_key(self.swarm_name, "trainer"))
+        log.debug("trainer providers: %s", [str(i.peer_id) for i in found])
+        trusted, others = trusted_providers(found, self.trainer_id)
+        for info in others:
+            log.warning("ignoring trainer provider %s: not the trusted trainer %s", info.peer_id, self.trainer_id)
+        for info in trusted:
+            try:
+                await swarm.connect(info)
+            except Exception as exc:
+                log.info("trainer %s found but unreachable: %s", info.peer_id, exc)
+                continue
+            if not self.trainer_found.is_set():
+                log.info("found trainer %s through the DHT", info.peer_id)
+            self.trainer_found_by["dht"] += 1
+            self.trainer_addrs = list(info.addrs)
+            self.trainer_found.set()
+
+    async def redial_trainer(self, swarm: DialingNode) -> bool:
+        """Dial the trainer where we last reached it. A restarted trainer or a healed link is back at once; the
+        DHT lookup, needed only when the trainer moved, can take its whole timeout while routes are still stale."""
+        if not self.trainer_addrs:
+            return False
+        try:
+            await swarm.connect(PeerInfo(self.trainer_id, self.trainer_addrs), timeout=REDIAL_TIMEOUT)
+        except Exception as exc:
+            log.debug("trainer not back at its last addresses: %s", exc)
+            return False
+        if not self.trainer_found.is_set():
+            log.info("reconnected to trainer %s at its last addresses", self.trainer_id)
+        self.trainer_found_by["last_addresses"] += 1
+        self.trainer_found.set()
+        return True

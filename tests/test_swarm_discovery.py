@@ -29,18 +29,18 @@ async def test_samplers_find_trainer_and_each_other_via_dht(tmp_path, tiny_model
         # samplers first: the trainer appears after them and must still be found
         samplers = [await start_sampler(nursery, tmp_path, f"s{i}", boot) for i in range(3)]
         await trio.sleep(1.0)
-        assert not any(s.role.trainer_found.is_set() for s in samplers)
+        assert not any(s.role.discovery.trainer_found.is_set() for s in samplers)
         trainer = await start_trainer(nursery, tmp_path, boot, tiny_model_dir, max_tokens=6)
 
-        await wait_until(lambda: all(s.role.trainer_found.is_set() for s in samplers), timeout=30)
+        await wait_until(lambda: all(s.role.discovery.trainer_found.is_set() for s in samplers), timeout=30)
         # nobody was told the trainer's address: the only address given out was the bootstrap's
         for s in samplers:
             assert all(a != trainer.swarm.addrs()[0] for a in s.config.bootstrap)
-        assert all(s.role.trainer_found_by["dht"] >= 1 for s in samplers)
-        await wait_until(lambda: all(len(s.role.samplers) == 2 for s in samplers), timeout=30)
+        assert all(s.role.discovery.trainer_found_by["dht"] >= 1 for s in samplers)
+        await wait_until(lambda: all(len(s.role.discovery.samplers) == 2 for s in samplers), timeout=30)
         for s in samplers:
             others = {str(o.swarm.peer_id) for o in samplers if o is not s}
-            assert s.role.samplers == others
+            assert s.role.discovery.samplers == others
 
         # rollouts reach the trainer straight from every sampler and are accepted
         await wait_until(lambda: all(s.role.rollouts_accepted >= 8 for s in samplers), timeout=60)
@@ -54,12 +54,13 @@ async def test_samplers_find_trainer_and_each_other_via_dht(tmp_path, tiny_model
         back, moved = samplers[0], samplers[1]
         gone = Multiaddr(f"/ip4/127.0.0.1/tcp/{closed_port()}/p2p/{tid}")
         for s, path in ((back, "last_addresses"), (moved, "dht")):
-            before = s.role.trainer_found_by[path]
+            before = s.role.discovery.trainer_found_by[path]
 
             def done(s=s, path=path, before=before) -> bool:
-                remembered = s is back or (s.role._trainer_addrs and gone not in s.role._trainer_addrs)
+                addrs = s.role.discovery.trainer_addrs
+                remembered = s is back or (addrs and gone not in addrs)
                 return (
-                    s.role.trainer_found_by[path] > before
+                    s.role.discovery.trainer_found_by[path] > before
                     and tid in s.swarm.host.get_connected_peers()
                     and bool(remembered)
                 )
@@ -70,9 +71,9 @@ async def test_samplers_find_trainer_and_each_other_via_dht(tmp_path, tiny_model
                 while not done():
                     await s.swarm.host.disconnect(tid)
                     if s is moved:
-                        s.role._trainer_addrs = [gone]
+                        s.role.discovery.trainer_addrs = [gone]
                         s.swarm.host.get_peerstore().clear_addrs(tid)  # its old addresses are dead, and forgotten
-                    await s.role._find_trainer(s.swarm)
+                    await s.role.discovery.find_trainer(s.swarm)
                     await trio.sleep(0.2)
         nursery.cancel_scope.cancel()
 

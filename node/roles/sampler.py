@@ -1,5 +1,6 @@
-"""Sampler role: finds the trainer (and other samplers) through the DHT, asks for work, generates GRPO
-groups with its engine off the event loop, and sends each group straight to the trainer."""
+"""Sampler role: finds the trainer (and other samplers) through the DHT (node/discovery.py's SamplerDiscovery),
+asks for work, generates GRPO groups with its engine off the event loop, and sends each group straight to the
+trainer."""
 
 from __future__ import annotations
 
@@ -11,11 +12,9 @@ from typing import Any
 
 import trio
 from libp2p.peer.id import ID
-from libp2p.peer.peerinfo import PeerInfo
-from multiaddr import Multiaddr
 
 from node.config import NodeConfig
-from node.discovery import find_role, provide_forever, role_key
+from node.discovery import SamplerDiscovery, provide_forever, role_key
 from node.engines import Engine
 from node.engines import install as install_weights
 from node.host import Swarm
@@ -32,8 +31,6 @@ from protocols.rollouts import RolloutAck, RolloutGroup, Sample
 from protocols.work import SamplerReport, TaskSpec, WorkLease, WorkRequest
 
 log = logging.getLogger(__name__)
-
-REDIAL_TIMEOUT = 5.0  # seconds to try the trainer's last known addresses before asking the DHT
 
 
 class VersionWatch:
@@ -84,12 +81,7 @@ class SamplerRole:
         self.engine_ready = trio.Event()
         self.store = ChunkStore(config.data_dir / "store")
         self.weight_server = WeightServer(self.store, upload_per_peer=settings.weights.upload_per_peer)
-        self.trainer_found = trio.Event()
-        self._trainer_lost = trio.Event()  # set by the work loop: the discovery loop wakes to look at once
-        self._trainer_addrs: list[Multiaddr] = []  # where the DHT last led us to the trainer (the peerstore forgets)
-        self.trainer_found_by = {"last_addresses": 0, "dht": 0}  # how each (re)connection to the trainer came about
-        self.samplers: set[str] = set()  # every sampler the DHT listed that we have been connected to
-        self._redial_at: dict[str, tuple[float, int]] = {}  # sampler -> (not before, failures): dial backoff
+        self.discovery = SamplerDiscovery(self.swarm_name, self.trainer_id, config.discover_interval)
         self.groups_sent = 0
         self.rollouts_accepted = 0
         self.rollouts_rejected = 0
@@ -137,94 +129,15 @@ class SamplerRole:
             nursery.start_soon(
                 provide_forever, swarm, role_key(self.swarm_name, "sampler"), self.config.provide_interval
             )
-            nursery.start_soon(self._discover_loop, swarm)
+            nursery.start_soon(self.discovery.run, swarm)
             nursery.start_soon(self._work_loop, swarm)
-
-    # -- discovery -----------------------------------------------------------------------------------
-    async def _discover_loop(self, swarm: Swarm) -> None:
-        while True:
-            self._trainer_lost = trio.Event()
-            if not self.trainer_found.is_set() or not self._trainer_connected(swarm):
-                await self._find_trainer(swarm)
-            await self._connect_samplers(swarm)
-            interval = self.config.discover_interval
-            with trio.move_on_after(interval if not self.trainer_found.is_set() else 4 * interval):
-                await self._trainer_lost.wait()
-
-    def _lost_trainer(self) -> None:
-        self.trainer_found = trio.Event()
-        self._trainer_lost.set()
-
-    async def _connect_samplers(self, swarm: Swarm) -> None:
-        """Connect to every sampler the DHT lists and we are not connected to: new ones, and known ones whose
-        connection died (a stalled process, a NAT mapping gone), so the swarm heals. Failed dials back off."""
-        connected = set(swarm.host.get_connected_peers())
-        now = trio.current_time()
-        for info in await find_role(swarm, role_key(self.swarm_name, "sampler")):
-            key = str(info.peer_id)
-            if info.peer_id == swarm.peer_id:
-                continue
-            if info.peer_id in connected:
-                self.samplers.add(key)
-                continue
-            if self._redial_at.get(key, (0, 0))[0] > now:
-                continue
-            try:
-                await swarm.connect(info)
-                self.samplers.add(key)
-                self._redial_at.pop(key, None)
-            except Exception as exc:
-                failures = self._redial_at.get(key, (0, 0))[1] + 1
-                self._redial_at[key] = (now + min(300.0, 10.0 * 2**failures), failures)
-                log.debug("cannot reach sampler %s: %s", info.peer_id, exc)
-        if len(self._redial_at) > 10_000:
-            self._redial_at.clear()
-
-    def _trainer_connected(self, swarm: Swarm) -> bool:
-        return self.trainer_id in swarm.host.get_connected_peers()
-
-    async def _find_trainer(self, swarm: Swarm) -> None:
-        if await self._redial_trainer(swarm):
-            return
-        found = await find_role(swarm, role_key(self.swarm_name, "trainer"))
-        log.debug("trainer providers: %s", [str(i.peer_id) for i in found])
-        for info in found:
-            if info.peer_id != self.trainer_id:
-                log.warning("ignoring trainer provider %s: not the trusted trainer %s", info.peer_id, self.trainer_id)
-                continue
-            try:
-                await swarm.connect(info)
-            except Exception as exc:
-                log.info("trainer %s found but unreachable: %s", info.peer_id, exc)
-                continue
-            if not self.trainer_found.is_set():
-                log.info("found trainer %s through the DHT", info.peer_id)
-            self.trainer_found_by["dht"] += 1
-            self._trainer_addrs = list(info.addrs)
-            self.trainer_found.set()
-
-    async def _redial_trainer(self, swarm: Swarm) -> bool:
-        """Dial the trainer where we last reached it. A restarted trainer or a healed link is back at once; the
-        DHT lookup, needed only when the trainer moved, can take its whole timeout while routes are still stale."""
-        if not self._trainer_addrs:
-            return False
-        try:
-            await swarm.connect(PeerInfo(self.trainer_id, self._trainer_addrs), timeout=REDIAL_TIMEOUT)
-        except Exception as exc:
-            log.debug("trainer not back at its last addresses: %s", exc)
-            return False
-        if not self.trainer_found.is_set():
-            log.info("reconnected to trainer %s at its last addresses", self.trainer_id)
-        self.trainer_found_by["last_addresses"] += 1
-        self.trainer_found.set()
-        return True
 
     # -- work ----------------------------------------------------------------------------------------
     async def _work_loop(self, swarm: Swarm) -> None:
         backoff = 0.5
         await self.engine_ready.wait()
         while True:
-            await self.trainer_found.wait()
+            await self.discovery.trainer_found.wait()
             try:
                 reply = await request(
                     swarm.host,
@@ -247,7 +160,7 @@ class SamplerRole:
             except (ProtocolError, trio.TooSlowError, Exception) as exc:
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 log.info("work request failed (%s); looking for the trainer again", self.last_error)
-                self._lost_trainer()  # it may have restarted, or moved: find it again
+                self.discovery.lost_trainer()  # it may have restarted, or moved: find it again
                 await trio.sleep(backoff := min(backoff * 2, 10.0))
                 continue
             backoff = 0.5
@@ -367,11 +280,11 @@ class SamplerRole:
 
     def status(self) -> dict[str, Any]:
         return {
-            "trainer": str(self.trainer_id) if self.trainer_found.is_set() else "searching",
+            "trainer": str(self.trainer_id) if self.discovery.trainer_found.is_set() else "searching",
             "version": self.engine.version if self.engine else -1,
             "engine": self.mode() if self.engine else "waiting for weights",
             "bytes_uploaded": self.weight_server.bytes_served,
-            "samplers_known": len(self.samplers),
+            "samplers_known": len(self.discovery.samplers),
             "groups_sent": self.groups_sent,
             "rollouts_accepted": self.rollouts_accepted,
             "rollouts_rejected": self.rollouts_rejected,
@@ -380,6 +293,6 @@ class SamplerRole:
             "rate_limited": self.rate_limited,
             "stale_waits": self.stale_waits,
             "last_error": self.last_error,
-            "trainer_found_by": dict(self.trainer_found_by),
+            "trainer_found_by": dict(self.discovery.trainer_found_by),
             **self.weights.status(),
         }

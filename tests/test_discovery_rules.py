@@ -1,0 +1,37 @@
+"""A sampler's discovery rules (node/discovery.py), on plain data: when to look for the trainer, whose provider
+records to trust, which samplers to dial and how long a failed one is left alone."""
+
+from __future__ import annotations
+
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+
+from node import discovery
+
+
+def test_the_trainer_is_looked_for_until_found_and_whenever_its_connection_is_gone():
+    assert discovery.must_find_trainer(found=False, connected=True)
+    assert discovery.must_find_trainer(found=True, connected=False)
+    assert not discovery.must_find_trainer(found=True, connected=True)
+    assert discovery.next_look(False, 3.0) == 3.0 and discovery.next_look(True, 3.0) == 12.0
+
+
+def test_only_the_trusted_trainers_provider_records_are_followed():
+    trainer, impostor = ID(b"trainer"), ID(b"impostor")
+    found = [PeerInfo(impostor, []), PeerInfo(trainer, []), PeerInfo(impostor, [])]
+    trusted, others = discovery.trusted_providers(found, trainer)
+    assert [i.peer_id for i in trusted] == [trainer]
+    assert [i.peer_id for i in others] == [impostor, impostor]
+
+
+def test_samplers_are_dialled_unless_connected_ourselves_or_backing_off():
+    listed = ["me", "a", "b", "c", "d"]
+    known, dial = discovery.sampler_dials(listed, "me", {"a", "me"}, {"b": 50.0, "c": 10.0}, now=20.0)
+    assert known == ["a"]
+    assert dial == ["c", "d"]  # b failed lately: not before 50
+    assert discovery.sampler_dials(listed, "me", set(), {"b": 50.0}, now=50.0)[1] == ["a", "b", "c", "d"]
+
+
+def test_failed_dials_back_off_exponentially_up_to_five_minutes():
+    assert [discovery.dial_backoff(n) for n in (1, 2, 3)] == [20.0, 40.0, 80.0]
+    assert discovery.dial_backoff(10) == 300.0
