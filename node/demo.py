@@ -15,6 +15,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from node.base_model import ensure_base_model
 from node.config import write_config_file
 from node.errors import require_torch
 from node.identity import load_or_create_key, peer_id_of
@@ -64,20 +65,6 @@ def node_cmd(role: str, data_dir: Path, config: Path, *extra: str) -> list[str]:
     ]
 
 
-def base_model(cache: Path) -> Path:
-    """The embedded base model, pretrained once (deterministic) and kept next to the demo's runs."""
-    if not (cache / "config.json").exists():
-        from trainer.base_model import build_base_model
-
-        with console.status("pretraining the embedded base model (once; ~30-60 s)"):
-            staging = cache.with_name(cache.name + ".tmp")
-            shutil.rmtree(staging, ignore_errors=True)
-            build_base_model(staging)
-            shutil.rmtree(cache, ignore_errors=True)
-            os.replace(staging, cache)
-    return cache
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
     require_torch("swarmrl demo (it runs a trainer)")
     out: Path = args.out
@@ -90,7 +77,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     write_config_file(config, "demo", [f"/ip4/127.0.0.1/tcp/{args.port}/p2p/{boot_id}"], str(trainer_id))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     loopback = "/ip4/127.0.0.1/tcp/0"
-    model = args.model or base_model(out.parent / ".base-model")
+    building = lambda: console.status("pretraining the embedded base model (once; ~30-60 s)")  # noqa: E731
+    model = args.model or ensure_base_model(out.parent / ".base-model", building)
     specs = [("bootstrap", "bootstrap", ["--listen", f"/ip4/127.0.0.1/tcp/{args.port}"])]
     trainer_args = ["--listen", loopback, "--task", args.task, "--max-steps", str(args.steps), "--model", str(model)]
     specs.append(("trainer", "trainer", trainer_args))
