@@ -1,14 +1,21 @@
 """Everything tests share (no test module imports another): in-process swarms (from node.local_swarm), swarms
-of `swarmrl node` processes, the CLI, a stream that delivers bytes in small pieces."""
+of `swarmrl node` processes, the CLI, a stream that delivers bytes in small pieces, and waiting for conditions
+with deadlines that stretch on a loaded machine."""
 
 from __future__ import annotations
 
+import functools
+import json
+import os
+import re
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import trio
 
 from node.config import write_config_file
 from node.identity import load_or_create_key, peer_id_of
@@ -22,7 +29,6 @@ from node.local_swarm import (
     start_sampler,
     start_trainer,
     trainer_peer_id,
-    wait_until,
 )
 from node.status import read_status as _read_status
 
@@ -31,6 +37,7 @@ __all__ = [
     "LOOPBACK",
     "FakeStream",
     "Running",
+    "below",
     "build_llama_bpe",
     "free_port",
     "node_config",
@@ -39,6 +46,7 @@ __all__ = [
     "read_status",
     "run_cli",
     "settings",
+    "slowdown",
     "start",
     "start_bootstrap",
     "start_sampler",
@@ -46,6 +54,7 @@ __all__ = [
     "trainer_peer_id",
     "wait_for",
     "wait_until",
+    "write_failure",
 ]
 
 CLI = [sys.executable, "-P", "-m", "node.cli"]  # -P: data dirs in the cwd must not shadow packages
@@ -69,25 +78,112 @@ def read_status(data_dir: Path) -> dict:
         return {}
 
 
+SLOWDOWN_ENV = "SWARMRL_TEST_SLOWDOWN"
+FAILURES = Path(__file__).resolve().parents[1] / "runs" / "test-failures"
+# a test's own processes load the box too (a WAN swarm alone keeps ~3 of 2 cores busy): deadlines start to
+# stretch only beyond this many runnable tasks per core, and never past MAX_SLOWDOWN
+OWN_LOAD = 1.5
+MAX_SLOWDOWN = 4.0
+
+
+@functools.cache
+def _session_slowdown() -> float:
+    """Measured once per session: SWARMRL_TEST_SLOWDOWN if set, else how far the 1-minute load average exceeds
+    what the tests themselves put on the box, per core."""
+    if os.environ.get(SLOWDOWN_ENV):
+        return max(1.0, float(os.environ[SLOWDOWN_ENV]))
+    return _load_factor()
+
+
+def _load_factor() -> float:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(MAX_SLOWDOWN, max(1.0, os.getloadavg()[0] / (OWN_LOAD * cores)))
+
+
+def slowdown() -> float:
+    """How many times longer than on an idle machine a wait may take: the session's measure, or the load now if
+    that is higher (other jobs may arrive mid-suite). SWARMRL_TEST_SLOWDOWN pins it."""
+    if os.environ.get(SLOWDOWN_ENV):
+        return _session_slowdown()
+    return max(_session_slowdown(), _load_factor())
+
+
+def _test_name() -> str:
+    current = os.environ.get("PYTEST_CURRENT_TEST", "unknown").split(" ")[0]
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", current.replace("tests/", "").replace("::", "__"))[:150]
+
+
+def write_failure(state: object, name: str | None = None) -> Path:
+    """Write the full state a test saw when it failed to runs/test-failures/<test>.json (kept after tmp_path is
+    cleaned up); the failure message names the file instead of carrying the state."""
+    FAILURES.mkdir(parents=True, exist_ok=True)
+    path = FAILURES / f"{name or _test_name()}.json"
+    path.write_text(json.dumps(state, indent=1, default=str, sort_keys=True))
+    return path
+
+
+Check = Callable[[], "bool | list[str]"]
+
+
+def _done(result: bool | list[str]) -> bool:
+    """A check holds when it returns True, or an empty list of what is still missing."""
+    return result is True or (isinstance(result, list) and not result)
+
+
+def _timeout_message(timeout: float, factor: float, what: str, result: object, state: Callable[[], object] | None):
+    missing = "; ".join(result[:4]) + (f"; +{len(result) - 4} more" if len(result) > 4 else "") if result else ""
+    line = f"timed out after {timeout * factor:.0f} s ({timeout:.0f} s x slowdown {factor:.1f}) waiting for {what}"
+    line += f": {missing}" if missing else ""
+    if state is not None:
+        line += f" (full state: {write_failure(state())})"
+    return line
+
+
 def wait_for(
-    predicate: Callable[[], bool],
+    predicate: Check,
     timeout: float,
     what: str,
     procs: list[subprocess.Popen] | None = None,
     log: Path | None = None,
     interval: float = 0.5,
+    state: Callable[[], object] | None = None,
 ) -> None:
-    """Wait (blocking) for ``predicate`` over node processes; fail with ``what`` on timeout, or with the log's
-    tail if a process died first."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
+    """Wait (blocking) for ``predicate`` over node processes, at most ``timeout`` idle-machine seconds (stretched
+    by ``slowdown()``). The predicate returns a bool, or a list of what is still missing ("s3 weights_version -1 <
+    0"): the failure message is one line naming it, and ``state()`` (every node's status, say) goes to a file
+    whose path it gives. Fails early with the log's tail if a process dies first."""
+    factor = slowdown()
+    deadline = time.monotonic() + timeout * factor
+    while not _done(result := predicate()):
         dead = [p for p in procs or [] if p.poll() is not None]
         if dead:
             tail = log.read_text()[-2000:] if log and log.exists() else ""
             raise AssertionError(f"a node exited with code {dead[0].returncode} while waiting for {what}\n{tail}")
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+            raise AssertionError(_timeout_message(timeout, factor, what, result, state))
         time.sleep(interval)
+
+
+async def wait_until(
+    predicate: Check,
+    timeout: float,
+    interval: float = 0.2,
+    what: str = "condition",
+    state: Callable[[], object] | None = None,
+) -> None:
+    """``wait_for`` for in-process swarms: poll state owned by other tasks on the trio loop."""
+    factor = slowdown()
+    deadline = trio.current_time() + timeout * factor
+    while not _done(result := predicate()):
+        if trio.current_time() > deadline:
+            raise TimeoutError(_timeout_message(timeout, factor, what, result, state))
+        await trio.sleep(interval)
+
+
+def below(values: dict[str, object], want: object, key: str = "") -> list[str]:
+    """What is still missing in a "every x reached want" check: "name key got < want" for each short one."""
+    label = f" {key}" if key else ""
+    return [f"{n}{label} {v} < {want}" for n, v in values.items() if not v >= want]  # type: ignore[operator]
 
 
 def process_swarm(tmp_path: Path, swarm: str, model_dir: Path):

@@ -1,7 +1,7 @@
 """Samplers behind NATs (issue 15): the NAT namespaces behave like home routers and carrier NATs, and a swarm with
 4 of its 8 samplers behind NATs converges, with relays and hole punching (node/reachability.py).
 
-Needs root and nftables (bench/netlab/nat.py; installed with apt-get when missing); skipped where neither works.
+Needs root and nftables (bench/netlab/nat.py; tests/provision.sh installs it); skipped, saying why, without them.
 The in-process tests need neither.
 """
 
@@ -22,13 +22,15 @@ from bench.netlab.nat import NatLab, nat_unavailable
 from bench.netlab.topology import Link, lab_unavailable
 from node.host import open_swarm
 from node.reachability import PRIVATE, PUBLIC, DialBack, ReachOptions, is_relayed_addr
+from tests.helpers import slowdown, wait_for, wait_until
 
-why_not = lab_unavailable() or nat_unavailable(install=True)
+why_not = lab_unavailable() or nat_unavailable()  # nftables: tests/provision.sh installs it
 needs_lab = pytest.mark.skipif(why_not is not None, reason=f"no NAT lab: {why_not}")
 
 OBSERVER = """
 import socket
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('0.0.0.0', 5000)); s.listen()
+print('listening', flush=True)
 while True:
     c, a = s.accept(); c.sendall(f'{a[0]}:{a[1]}'.encode()); c.close()
 """
@@ -40,7 +42,7 @@ c.settimeout(3); c.connect((sys.argv[1], 5000)); print(c.recv(100).decode())
 PUNCH = """
 import socket, sys, time
 c = socket.socket(); c.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1); c.bind(('0.0.0.0', 4001)); c.settimeout(6)
-time.sleep(max(0.0, float(sys.argv[2]) - time.time()))
+time.sleep(max(0.0, float(sys.argv[2]) - time.time()))  # both ends dial at once: the simultaneous open under test
 try:
     c.connect((sys.argv[1], 4001)); c.sendall(b'hi'); print('punched', c.recv(2).decode())
 except OSError as e:
@@ -56,9 +58,10 @@ def test_nat_namespaces_map_filter_and_punch_like_real_nats(tmp_path):
     lab.add_nat_host("cone2", "na", 50, 50, "cone")
     lab.add_nat_host("sym", "na", 50, 50, "symmetric")
     with lab:
-        lab.popen("pub", [sys.executable, "-c", OBSERVER], tmp_path / "observer.log")
-        lab.popen("cone1", [sys.executable, "-c", OBSERVER], tmp_path / "observer-cone.log")
-        time.sleep(0.5)
+        logs = [tmp_path / "observer.log", tmp_path / "observer-cone.log"]
+        lab.popen("pub", [sys.executable, "-c", OBSERVER], logs[0])
+        lab.popen("cone1", [sys.executable, "-c", OBSERVER], logs[1])
+        wait_for(lambda: all("listening" in log.read_text() for log in logs), 30, "the observers", interval=0.05)
 
         def seen_as(host: str, port: int) -> str:
             r = lab.run(host, [sys.executable, "-c", SEEN_AS, lab.hosts["pub"].ip, str(port)])
@@ -77,7 +80,7 @@ def test_nat_namespaces_map_filter_and_punch_like_real_nats(tmp_path):
         assert r.returncode != 0 and "timed out" in r.stderr
 
         def punch(a: str, b: str) -> tuple[str, str]:
-            at = time.time() + 1.0
+            at = time.time() + 1.0 * slowdown()  # time for both processes to start, on a loaded box too
             procs = [
                 subprocess.Popen(
                     ["ip", "netns", "exec", lab.hosts[x].ns, sys.executable, "-c", PUNCH, lab.hosts[y].ip, str(t)],
@@ -120,7 +123,7 @@ async def test_reachability_relay_and_fresh_dial_backs_on_loopback():
     ):
         await a.connect(PeerInfo(relay.peer_id, relay.addrs()))
         await b.connect(PeerInfo(relay.peer_id, relay.addrs()))
-        with trio.fail_after(30):
+        with trio.fail_after(30 * slowdown()):
             assert await a.reach.check([relay.peer_id]) == PUBLIC
         dials = a.reach.dialback
         assert isinstance(dials, DialBack)
@@ -129,33 +132,32 @@ async def test_reachability_relay_and_fresh_dial_backs_on_loopback():
         circuits = [x for x in b.host.get_addrs() if is_relayed_addr(x)]
         assert circuits and str(relay.peer_id) in str(circuits[0]) and str(circuits[0]).endswith(str(b.peer_id))
         # a reaches b through the relay, and the relay counts what it carried
-        with trio.fail_after(30):
-            await a.reach.dial_relayed(PeerInfo(b.peer_id, circuits), timeout=20)
+        with trio.fail_after(30 * slowdown()):
+            await a.reach.dial_relayed(PeerInfo(b.peer_id, circuits), timeout=20 * slowdown())
         assert "relayed" in a.reach.kinds(b.peer_id)
         assert relay.reach.hop.circuits >= 1
-        with trio.fail_after(30):
-            while relay.reach.hop.bytes_relayed == 0:
-                await trio.sleep(0.1)
+        await wait_until(lambda: relay.reach.hop.bytes_relayed > 0, 30, 0.1, what="the relay to carry bytes")
         assert a.reach.status()["relay_dials"] == 1
         assert relay.reach.status()["relay_service"]["circuits"] >= 1
         assert PRIVATE != a.reach.state
 
 
-async def test_a_pair_that_stays_relayed_gets_a_fresh_hole_punch_budget_after_a_pause(monkeypatch):
+async def test_a_pair_that_stays_relayed_gets_a_fresh_hole_punch_budget_after_a_pause(mock_clock):
     """After the library's attempts in a row fail (an end too busy to dial in time), the pair is left alone for a
     while, then tried again: a long-lived relayed pair is not given up on for good."""
     import node.reachability as reachability
 
-    monkeypatch.setattr(reachability, "PUNCH_RETRY_AFTER", 0.2)
+    mock_clock.rate = 1.0  # the swarm runs in real time; the pause is jumped over
+    pause = reachability.PUNCH_RETRY_AFTER
     loop = multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")
     async with open_swarm(create_new_key_pair(), loop, reach=ReachOptions()) as a:
         punch, other = a.reach.punch, ID.from_pubkey(create_new_key_pair().public_key)
         assert punch._may_try(other)
         punch._hole_punch_attempts[other] = reachability.MAX_HOLE_PUNCH_ATTEMPTS
         assert not punch._may_try(other)  # budget spent: pause
-        await trio.sleep(0.1)
+        mock_clock.jump(pause / 2)
         assert not punch._may_try(other)
-        await trio.sleep(0.15)
+        mock_clock.jump(pause / 2 + 0.01)
         assert punch._may_try(other) and punch._hole_punch_attempts[other] == 0 and punch.retries == 1
         assert a.reach.status()["hole_punches"]["retries"] == 1
 

@@ -18,12 +18,14 @@ import pytest
 from bench.netlab.swarm import WanSwarm, plot_timeline, wan_links
 from bench.netlab.topology import Lab, Link, lab_unavailable
 from node.identity import load_or_create_key, peer_id_of
+from tests.helpers import below, slowdown, wait_for
 
 pytestmark = pytest.mark.skipif(lab_unavailable() is not None, reason=f"no network lab: {lab_unavailable()}")
 
 ECHO_SERVER = """
 import socket
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('0.0.0.0', 5000)); s.listen()
+print('listening', flush=True)
 while True:
     c, _ = s.accept(); c.sendall(b'!')
     while c.recv(1 << 20): pass
@@ -38,15 +40,32 @@ print(first, time.time() - t)
 """
 
 
+def wait_applied(lab: Lab) -> None:
+    """Wait until the emulator has read the config ``lab`` just rewrote (a partition or heal): it checks the
+    config, then writes its stats file, every 50 ms; two stats writes after the config's mtime mean a check."""
+    stats = Path(f"{lab.config_path}.stats.json")
+    written = lab.config_path.stat().st_mtime_ns
+    seen: set[int] = set()
+
+    def checked() -> bool:
+        mtime = stats.stat().st_mtime_ns if stats.exists() else 0
+        if mtime > written:
+            seen.add(mtime)
+        return len(seen) >= 2
+
+    wait_for(checked, 10, "the emulator to apply the new config", interval=0.01)
+
+
 def test_lab_emulates_rtt_bandwidth_and_partitions(tmp_path):
     lab = Lab(tmp_path / "lab", [Link("eu", "us", 120), Link("eu", "eu", 10), Link("us", "us", 10)])
     lab.add_host("a", "eu", 40, 40)
     lab.add_host("b", "us", 20, 20)
     lab.add_host("c", "eu", 40, 40)
     with lab:
-        lab.popen("b", [sys.executable, "-c", ECHO_SERVER], tmp_path / "echo.log")
-        lab.popen("c", [sys.executable, "-c", ECHO_SERVER], tmp_path / "echo-c.log")
-        time.sleep(1.0)
+        logs = [tmp_path / "echo.log", tmp_path / "echo-c.log"]
+        lab.popen("b", [sys.executable, "-c", ECHO_SERVER], logs[0])
+        lab.popen("c", [sys.executable, "-c", ECHO_SERVER], logs[1])
+        wait_for(lambda: all("listening" in log.read_text() for log in logs), 30, "the echo servers", interval=0.05)
 
         def probe(src: str, dst: str, nbytes: int) -> tuple[float, float]:
             r = lab.run(src, [sys.executable, "-c", CLIENT, lab.hosts[dst].ip, str(nbytes)])
@@ -56,21 +75,24 @@ def test_lab_emulates_rtt_bandwidth_and_partitions(tmp_path):
 
         far_first, far_transfer = probe("a", "b", 4 << 20)
         near_first, _ = probe("a", "c", 1000)
+        # the emulator is a process like any other: on a loaded box it forwards late, so what it adds beyond the
+        # profile (the upper bounds) stretches with the load; the profile's own delays (lower bounds) never shrink
+        slack = slowdown()
         # SYN/SYN-ACK plus the server's first byte: 1.5 RTT across the ocean, tiny within a region
-        assert 0.17 <= far_first <= 0.5, far_first
-        assert near_first < 0.1, near_first
+        assert 0.17 <= far_first <= 0.5 * slack, (far_first, slack)
+        assert near_first < 0.1 * slack, (near_first, slack)
         # 4 MiB into a 20 Mbit/s downlink: at least 1.68 s, and TCP gets most of the link
         mbit = (4 << 20) * 8 / far_transfer / 1e6
-        assert 8 <= mbit <= 21, mbit
+        assert 8 / slack <= mbit <= 21, (mbit, slack)
         lab.partition(["eu"], ["us"])
-        time.sleep(0.3)
+        wait_applied(lab)
         r = lab.run("a", [sys.executable, "-c", CLIENT, lab.hosts["b"].ip, "10"])
         assert r.returncode != 0 and "timed out" in r.stderr
         assert lab.stats()["dropped_partition"] > 0
-        assert probe("a", "c", 1000)[0] < 0.1  # the partition is between regions only
+        assert probe("a", "c", 1000)[0] < 0.1 * slack  # the partition is between regions only
         lab.heal()
-        time.sleep(0.3)
-        assert 0.17 <= probe("a", "b", 1000)[0] <= 0.5
+        wait_applied(lab)
+        assert 0.17 <= probe("a", "b", 1000)[0] <= 0.5 * slack
     leftover = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert f"srl{lab.tag}" not in leftover  # everything the lab made is gone
 
@@ -97,6 +119,15 @@ ENGAGED = {
 }
 
 
+def machine_busy_seconds() -> float:
+    """CPU seconds the machine's cores have been busy so far, whoever used them (steal included: a hypervisor's
+    other guests), from /proc/stat."""
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (
+        int(x) for x in Path("/proc/stat").read_text().split()[1:9]
+    )
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
 class Scenario:
     """Drives a WanSwarm through timed steps, sampling every node's state all along."""
 
@@ -106,22 +137,27 @@ class Scenario:
         self.down: set[str] = set()
 
     def pump(self, until, timeout: float, what: str) -> None:
-        deadline = time.time() + timeout
-        while True:
+        """Run the scenario until ``until()`` holds (True, or an empty list of what is missing); ``timeout`` is in
+        idle-machine seconds (tests.helpers.wait_for). On a timeout the message names what is missing, and every
+        node's status goes to a file."""
+
+        def step():
             now = time.time() - self.swarm.t0
             for name, at in list(self.joins.items()):
                 if now >= at:
                     self.swarm.start(name)
                     del self.joins[name]
             self.swarm.sample_timeline()
-            live = [n for n in self.swarm.procs if n not in self.down]
-            self.swarm.check_alive(*live)
-            if until():
-                return
-            if time.time() > deadline:
-                states = {n: self.swarm.status(n) for n in live}
-                raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}: {states}")
-            time.sleep(0.1)
+            self.swarm.check_alive(*[n for n in self.swarm.procs if n not in self.down])
+            return until()
+
+        wait_for(step, timeout, what, interval=0.1, state=lambda: {n: self.swarm.status(n) for n in self.swarm.procs})
+
+    def versions(self, names) -> dict[str, int]:
+        return {n: self.version(n) for n in names}
+
+    def counters(self, names, key: str) -> dict[str, int]:
+        return {n: self.swarm.status(n).get(key, 0) for n in names}
 
     def version(self, name: str) -> int:
         return int(self.swarm.status(name).get("weights_version", -1))
@@ -144,30 +180,34 @@ def test_wan_faults_lose_nothing_and_every_sampler_converges(tmp_path, tiny_mode
     sc = Scenario(swarm, {f"s{i}": rng.uniform(3, 25) for i in range(5, n)})
     with lab:
         swarm.start("boot")
-        time.sleep(2)
+        sc.pump(lambda: bool(swarm.status("boot")), 60, "the bootstrap node's first status")
         swarm.start("trainer")
         swarm.start_hostile("evil", "corrupt")
         for name in honest[:4]:
             swarm.start(name)
-        sc.pump(lambda: all(sc.version(n) >= 0 for n in honest[:4]), 180, "the first samplers' first version")
-        sc.pump(lambda: not sc.joins and all(sc.version(n) >= 0 for n in honest if n != "s4"), 180, "late joiners")
+        sc.pump(lambda: below(sc.versions(honest[:4]), 0, "version"), 180, "the first samplers' first version")
+        sc.pump(
+            lambda: [f"{n} not started" for n in sc.joins] + below(sc.versions(h for h in honest if h != "s4"), 0),
+            180,
+            "late joiners' first version",
+        )
 
         # -- a sampler killed mid-transfer resumes from the chunks it kept ------------------------------
         swarm.start("s4")
 
-        def partial() -> bool:
+        def partial() -> bool | list[str]:
             got = swarm.store_progress("s4")
-            return got is not None and 0 < got[0] < got[1]
+            return (got is not None and 0 < got[0] < got[1]) or [f"s4 chunks held/needed {got}"]
 
         sc.pump(partial, 120, "s4 to be part-way through a download")
         swarm.kill("s4")
         sc.down.add("s4")
         held, needed = swarm.store_progress("s4")
         assert 0 < held < needed, "the kill should land mid-transfer"
-        time.sleep(2)
+        time.sleep(2)  # deliberate downtime (not a wait for anything): its peers see it gone before it returns
         swarm.start("s4")
         sc.down.discard("s4")
-        sc.pump(lambda: sc.version("s4") >= 0, 120, "s4 to finish after its restart")
+        sc.pump(lambda: below(sc.versions(["s4"]), 0, "version"), 120, "s4 to finish after its restart")
 
         # the injector boots a whole sampler (~100 s here: imports, DHT, engine, weights): it does so now, and
         # samples nothing until it is armed with the other attackers
@@ -177,20 +217,31 @@ def test_wan_faults_lose_nothing_and_every_sampler_converges(tmp_path, tiny_mode
         # -- a flooder gets rate-limited; everyone else keeps working ------------------------------------
         swarm.start_hostile("flood", "flood")
         flood_started = time.time()
-        before = {n: swarm.status(n).get("rollouts_accepted", 0) for n in honest}
-        sc.pump(lambda: swarm.status("flood").get("sent", 0) > 200, 120, "the flood")
+        before = sc.counters(honest, "rollouts_accepted")
+        sc.pump(lambda: below(sc.counters(["flood"], "sent"), 201, "sent"), 120, "the flood")
         sc.pump(
-            lambda: all(swarm.status(n).get("rollouts_accepted", 0) > before[n] for n in honest),
+            lambda: below({n: got - before[n] for n, got in sc.counters(honest, "rollouts_accepted").items()}, 1),
             180,
-            "every honest sampler to get rollouts accepted during the flood",
+            "every honest sampler to get rollouts accepted during the flood (accepted since it began)",
         )
 
         # -- every hostile peer at once; honest samplers keep their accepted rate ---------------------------
-        def accepted_rate(seconds: float) -> float:
+        swarm_nodes = ["boot", "trainer", *honest]
+
+        def accepted_rate(seconds: float) -> tuple[float, float]:
+            """Honest accepted rollouts per second over a window, and the cores everything else used meanwhile
+            (attackers, the emulator, this test, and whatever else runs on the machine)."""
             start = sum(swarm.status(h).get("rollouts_accepted", 0) for h in honest)
-            t0 = time.time()
+            swarm_cpu, busy, t0 = (
+                sum(sc.counters(swarm_nodes, "cpu_seconds").values()),
+                machine_busy_seconds(),
+                time.time(),
+            )
             sc.pump(lambda: time.time() - t0 >= seconds, seconds + 60, f"a {seconds:.0f} s measuring window")
-            return (sum(swarm.status(h).get("rollouts_accepted", 0) for h in honest) - start) / (time.time() - t0)
+            elapsed = time.time() - t0
+            swarm_cpu = sum(sc.counters(swarm_nodes, "cpu_seconds").values()) - swarm_cpu
+            others = max(0.0, machine_busy_seconds() - busy - swarm_cpu) / elapsed
+            return (sum(swarm.status(h).get("rollouts_accepted", 0) for h in honest) - start) / elapsed, others
 
         flood_seconds = time.time() - flood_started
         swarm.kill("flood")
@@ -199,23 +250,27 @@ def test_wan_faults_lose_nothing_and_every_sampler_converges(tmp_path, tiny_mode
         # the accepted rate drifts as the policy learns (fewer groups without signal: the trainer asks for less),
         # so the attack window is compared with the clean windows just before and just after it
         swarm.event("baseline")
-        before_attacks = accepted_rate(ATTACK_WINDOW)
+        before_attacks, others_before = accepted_rate(ATTACK_WINDOW)
         modes = [mode for mode, _ in ATTACKS]
         arm.touch()
         swarm.event("start inject (armed)")
         for mode in modes:
             if mode != "inject":
                 swarm.start_hostile(mode, mode)
-        sc.pump(lambda: all(ENGAGED[m](swarm.status(m)) for m in modes), 180, "every attack to be in effect")
+        sc.pump(
+            lambda: [f"{m} not engaged" for m in modes if not ENGAGED[m](swarm.status(m))],
+            180,
+            "every attack to be in effect",
+        )
         cpu0, t0 = {m: swarm.status(m).get("cpu_seconds", 0.0) for m in modes}, time.time()
-        under_attack = accepted_rate(ATTACK_WINDOW)
+        under_attack, others_under = accepted_rate(ATTACK_WINDOW)
         attack_states.update({m: swarm.status(m) for m in modes})
         attacker_cores = sum(attack_states[m].get("cpu_seconds", 0.0) - cpu0[m] for m in modes) / (time.time() - t0)
         for mode in modes:
             swarm.kill(mode)
             sc.down.add(mode)
         swarm.event("baseline")
-        after_attacks = accepted_rate(ATTACK_WINDOW)
+        after_attacks, others_after = accepted_rate(ATTACK_WINDOW)
         kept = under_attack / ((before_attacks + after_attacks) / 2)
         print(f"honest accepted rollouts/s: {before_attacks:.1f} before, {under_attack:.1f} under attack, "
               f"{after_attacks:.1f} after")  # fmt: skip
@@ -243,12 +298,12 @@ def test_wan_faults_lose_nothing_and_every_sampler_converges(tmp_path, tiny_mode
         # meanwhile a sampler that is serving chunks to the catching-up samplers vanishes, and comes back later
         leaver = rng.choice([n for n in honest if n not in sa and n != "s4"])
         served = swarm.status(leaver).get("bytes_uploaded", 0)
-        sc.pump(lambda: swarm.status(leaver).get("bytes_uploaded", 0) > served, 60, f"{leaver} to serve chunks")
+        sc.pump(lambda: below(sc.counters([leaver], "bytes_uploaded"), served + 1), 60, f"{leaver} to serve chunks")
         left = swarm.status(leaver)  # its counts until it left; its new process counts from 0
         leaver_accepted = left.get("rollouts_accepted", 0)
         swarm.kill(leaver)
         sc.down.add(leaver)
-        sc.pump(lambda: all(sc.version(n) >= v_heal for n in sa), 180, "the partitioned samplers to catch up")
+        sc.pump(lambda: below(sc.versions(sa), v_heal, "version"), 180, "the partitioned samplers to catch up")
         swarm.start(leaver)
         sc.down.discard(leaver)
 
@@ -264,7 +319,11 @@ def test_wan_faults_lose_nothing_and_every_sampler_converges(tmp_path, tiny_mode
             )
 
         sc.pump(
-            lambda: all(accepted_since_attacks(n) for n in honest),
+            lambda: [
+                f"{n} rollouts_accepted still {swarm.status(n).get('rollouts_accepted', 0)}"
+                for n in honest
+                if not accepted_since_attacks(n)
+            ],
             120,
             "every honest sampler to get groups accepted after the attacks",
         )
@@ -273,16 +332,24 @@ def test_wan_faults_lose_nothing_and_every_sampler_converges(tmp_path, tiny_mode
         before_kill = sc.trainer()
         swarm.kill("trainer")
         sc.down.add("trainer")
-        time.sleep(3)
+        time.sleep(3)  # deliberate downtime (not a wait for anything): the samplers lose the trainer for a while
         resumed_step = before_kill["step"] - before_kill["step"] % 2  # checkpoint-every 2
         swarm.trainer_args = trainer_args(max_steps=resumed_step + 6)
         swarm.start("trainer")
         sc.down.discard("trainer")
-        sc.pump(lambda: sc.trainer().get("finished"), 300, "the resumed trainer to finish")
+        sc.pump(
+            lambda: bool(sc.trainer().get("finished")) or [f"trainer at step {sc.trainer().get('step')}"],
+            300,
+            f"the resumed trainer to finish at step {resumed_step + 6}",
+        )
         final = sc.trainer()["version"]  # named and published after the last step
         assert sc.trainer()["step"] == resumed_step + 6
         assert final > before_kill["version"], "a restarted trainer never reuses a version number"
-        sc.pump(lambda: all(sc.version(n) == final for n in honest), 180, f"every sampler to reach version {final}")
+        sc.pump(
+            lambda: [f"{n} version {v} != {final}" for n, v in sc.versions(honest).items() if v != final],
+            180,
+            f"every sampler to reach version {final}",
+        )
         trainer, states = sc.trainer(), {n: swarm.status(n) for n in honest}
         evil_state = swarm.status("evil")
 
@@ -301,15 +368,26 @@ def test_wan_faults_lose_nothing_and_every_sampler_converges(tmp_path, tiny_mode
     assert refused > let_through, flood_state["replies"]
     # all four attacks at once: honest samplers kept most of their accepted rollouts per second, and the trainer
     # kept answering. Every process here shares 2 cores, so the attackers' own CPU takes its share from the honest
-    # ones whatever the product does: the target (issue 17: >= 80% kept) applies to what is left once that share is
-    # accounted for, kept / (1 - attacker cores / 2). Measured here one at a time: 0.82-1.06; the bound leaves room
-    # for checkpoint pauses inside a 20 s window on a busy box, and still fails on what it exists to catch (honest
-    # samplers locked out of work: 0.0 before the lease fix)
-    cores = os.cpu_count() or 2
-    beyond_cpu = kept / max(0.05, 1 - attacker_cores / cores)
-    print(f"honest accepted rate kept under attack: {kept:.2f} (attackers {attacker_cores:.2f} cores; "
-          f"beyond their CPU {beyond_cpu:.2f})")  # fmt: skip
-    assert beyond_cpu >= 0.5, (kept, attacker_cores)
+    # ones whatever the product does, and so does any other job on the machine (another test suite beside this one
+    # took 90% of the attack window once): the target (issue 17: >= 80% kept) applies to what is left once that
+    # share is accounted for, in each window: kept x (share of the cores the swarm had in the clean windows) / (its
+    # share under attack), share = 1 - cores used by everything else / cores. Measured here one at a time:
+    # 0.82-1.06; the bound leaves room for checkpoint pauses inside a 20 s window on a busy box, and still fails on
+    # what it exists to catch (honest samplers locked out of work: 0.0 before the lease fix)
+    cores = len(os.sched_getaffinity(0))
+
+    def share(others: float) -> float:
+        return max(0.05, 1 - others / cores)
+
+    beyond_cpu = kept * (share(others_before) + share(others_after)) / 2 / share(others_under)
+    print(f"honest accepted rate kept under attack: {kept:.2f} (attackers {attacker_cores:.2f} cores; everything "
+          f"but the swarm {others_before:.2f} cores before, {others_under:.2f} under attack, {others_after:.2f} "
+          f"after; beyond their CPU {beyond_cpu:.2f})")  # fmt: skip
+    assert beyond_cpu >= 0.5, (
+        f"honest samplers kept {kept:.2f} of their accepted rate under attack, {beyond_cpu:.2f} beyond the CPU "
+        f"others took (cores used by everything but the swarm: {others_before:.2f} before, {others_under:.2f} "
+        f"under attack of which attackers {attacker_cores:.2f}, {others_after:.2f} after)"
+    )
     assert attack_states["withhold"]["requests_held"] > 0  # it was asked, and held requests, and yet...
     assert attack_states["inject"].get("rollouts_accepted", 0) == 0  # ...no injected group was ever accepted
     assert attack_states["sybil"]["identities"] >= 3 and attack_states["sybil"]["replies"].get("accepted", 0) == 0
