@@ -22,7 +22,7 @@ from protocols.errors import RemoteError
 from protocols.framing import FrameReader, unpack
 from protocols.rollouts import RolloutAck, RolloutGroup, Sample
 from protocols.work import WorkLease, WorkRequest
-from tests.helpers import LOOPBACK, start_bootstrap, start_sampler, start_trainer, wait_until
+from tests.helpers import LOOPBACK, slowdown, start_bootstrap, start_sampler, start_trainer, wait_until
 
 
 async def raw_exchange(client, trainer_id, payload: bytes, protocol: str = rollouts.PROTOCOL_ID) -> dict:
@@ -240,12 +240,12 @@ async def test_a_flooding_peer_is_rate_limited_and_an_honest_sampler_is_not(tmp_
 
         before = trainer.role.intake.ledger.accepted_by_peer.get(str(honest.swarm.peer_id), 0)
         started = trio.current_time()
-        with trio.fail_after(60):
+        with trio.fail_after(60 * slowdown()):
             for _ in range(6):  # 6 waves of 20 concurrent requests, over ~3 s
                 async with trio.open_nursery() as wave:
                     for _ in range(20):
                         wave.start_soon(flood_one)
-                await trio.sleep(0.5)
+                await trio.sleep(0.5)  # the flood's pace (under test: the rate limit refills meanwhile)
         # refused before their frames were read: over the rate, or over the per-peer limit of streams in service
         limited = [r for r in replies if r.get("code") in ("rate_limited", "busy")]
         schema = [r for r in replies if r.get("code") == "schema"]
@@ -292,7 +292,7 @@ async def test_slow_streams_cannot_pile_up(trainer_and_client):
         streams.append(s)
     busy = 0
     for s in streams[8:]:
-        with trio.move_on_after(10):
+        with trio.move_on_after(10 * slowdown()):
             reply = unpack(await FrameReader(s).read_body(1 << 16), 1 << 16)
             busy += reply["code"] == "busy"
     assert busy == 12  # the per-peer cap: 8 streams read at once, the other 12 told to come back
@@ -319,7 +319,7 @@ async def test_after_300_identities_come_and_go_a_new_sampler_still_joins(tmp_pa
         nonlocal leased
         client = build_host(create_new_key_pair())
         async with client.run([]):
-            with trio.move_on_after(30):
+            with trio.move_on_after(30 * slowdown()):
                 await client.connect(target)
                 reply = await request(
                     client,

@@ -14,6 +14,7 @@ from node.settings import TrainerSettings
 from protocols.draw import RULE, TokenDraw
 from protocols.rollouts import RolloutGroup, Sample
 from protocols.work import WorkRequest
+from tests.helpers import wait_until
 from trainer.tasks.reverse import ReverseDigitsTask
 from trainer.text import completion_text
 
@@ -188,9 +189,8 @@ async def test_a_checkpoint_cut_while_an_ack_waits_for_its_fsync_loses_nothing(t
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(send)
-        with trio.fail_after(10):
-            while intake.journal.appended < 1:  # verified (scoring runs in a thread), then journaled
-                await trio.sleep(0.01)
+        # verified (scoring runs in a thread), then journaled
+        await wait_until(lambda: intake.journal.appended >= 1, 10, 0.01, what="the group in the journal")
         await trio.testing.wait_all_tasks_blocked()  # now waiting for its fsync: no ack yet
         assert not acks
         saved = intake.begin_checkpoint()  # the trainer checkpoints now

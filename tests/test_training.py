@@ -41,13 +41,16 @@ async def test_short_swarm_run_beats_the_untrained_model(tmp_path, tiny_model_di
         # publishing is made slower than training, whatever a step costs on this box (a fixed delay was not,
         # under a loaded suite): each publish waits for two more steps. Training must not wait for it.
         publish = trainer.role.publisher.publish
+        publish_seconds: list[float] = []
 
         def slow_publish(*args):
-            learner, deadline = trainer.role.learner, time.monotonic() + 2.0
+            learner, started = trainer.role.learner, time.monotonic()
             steps = learner.steps
-            while learner.steps < steps + 2 and time.monotonic() < deadline:
-                time.sleep(0.02)
-            return publish(*args)
+            while learner.steps < steps + 2 and time.monotonic() < started + 2.0:
+                time.sleep(0.02)  # the slowness under test (in the publisher's thread), not a wait in the test
+            out = publish(*args)
+            publish_seconds.append(time.monotonic() - started)
+            return out
 
         trainer.role.publisher.publish = slow_publish
         for i in range(2):
@@ -61,8 +64,11 @@ async def test_short_swarm_run_beats_the_untrained_model(tmp_path, tiny_model_di
     assert evals[-1]["eval_reward"] > evals[0]["eval_reward"] + 0.05
     first, last = train[:6], train[-6:]
     assert sum(r["reward"] for r in last) / 6 > sum(r["reward"] for r in first) / 6
-    # the loop never waited for the slow publisher: versions coalesced instead (one in flight at a time)
-    assert max(r["time_publish"] for r in train) < 0.25, [round(r["time_publish"], 3) for r in train]
+    # the loop never waited for the slow publisher: versions coalesced instead (one in flight at a time). A loop
+    # that waited would spend a whole publish (two of its own steps, or 2 s) in it; measured in this run, so a
+    # slower machine stretches both sides
+    waited = [round(r["time_publish"], 3) for r in train]
+    assert max(waited) < min(publish_seconds), (waited, [round(t, 3) for t in publish_seconds])
     published = [r["published"] for r in records if "published" in r]
     assert published == sorted(set(published)) and len(published) >= 3
     assert records[-1].get("finished") and records[-1]["version"] == published[-1]  # the run's end, published
@@ -92,7 +98,7 @@ def test_killed_trainer_resumes_and_samplers_reconnect(tmp_path, tiny_model_dir)
     )
     procs = [spawn("bootstrap", "boot", "--listen", f"/ip4/127.0.0.1/tcp/{port}")]
     try:
-        time.sleep(2)
+        wait_for(lambda: bool(read_status(tmp_path / "boot")), 60, "the bootstrap node", procs, tmp_path / "boot.log")
         procs.append(spawn("sampler", "s0", "--listen", "/ip4/127.0.0.1/tcp/0"))
         trainer = spawn("trainer", "trainer", *trainer_args)
         ckpt = tmp_path / "trainer" / "trainer.ckpt"
@@ -108,7 +114,8 @@ def test_killed_trainer_resumes_and_samplers_reconnect(tmp_path, tiny_model_dir)
         wait_for(acked_after_checkpoint, 180, "acks after a checkpoint at step 4", [trainer], tmp_path / "trainer.log")
         trainer.send_signal(signal.SIGKILL)
         trainer.wait()
-        time.sleep(1)
+        killed_at = time.time()
+        wait_for(lambda: read_status(tmp_path / "s0").get("updated", 0) > killed_at, 30, "s0's status after the kill")
         accepted_before = read_status(tmp_path / "s0")["rollouts_accepted"]  # acks the sampler holds
         saved = load_checkpoint(ckpt)
 
