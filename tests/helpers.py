@@ -88,23 +88,21 @@ MAX_SLOWDOWN = 4.0
 
 @functools.cache
 def _session_slowdown() -> float:
-    """Measured once per session: SWARMRL_TEST_SLOWDOWN if set, else how far the 1-minute load average exceeds
-    what the tests themselves put on the box, per core."""
-    if os.environ.get(SLOWDOWN_ENV):
-        return max(1.0, float(os.environ[SLOWDOWN_ENV]))
+    """The load measured once, at the session's first wait."""
     return _load_factor()
 
 
 def _load_factor() -> float:
+    """How far the 1-minute load average exceeds what the tests themselves put on the box, per core."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return min(MAX_SLOWDOWN, max(1.0, os.getloadavg()[0] / (OWN_LOAD * cores)))
 
 
 def slowdown() -> float:
-    """How many times longer than on an idle machine a wait may take: the session's measure, or the load now if
-    that is higher (other jobs may arrive mid-suite). SWARMRL_TEST_SLOWDOWN pins it."""
+    """How many times longer than on an idle machine a wait may take: SWARMRL_TEST_SLOWDOWN if set, else the load
+    measured at the session's start, or the load now if that is higher (other jobs may arrive mid-suite)."""
     if os.environ.get(SLOWDOWN_ENV):
-        return _session_slowdown()
+        return max(1.0, float(os.environ[SLOWDOWN_ENV]))
     return max(_session_slowdown(), _load_factor())
 
 
