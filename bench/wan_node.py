@@ -1,10 +1,11 @@
 """One node of bench/wan, run inside a lab namespace: the product's weight stack without sampling or training.
 
 ``origin``: the trainer's side: publishes the model as version 0, then a new version (every tensor perturbed,
-so every weight chunk is new) each time the driver writes ``<root>/publish``; super-seeds and announces by
-gossip, exactly as the trainer role does. ``fetch``: a sampler's side: a real WeightSync (gossip, signed
-manifests, rarest-first chunk swarming), discovery through the DHT, and a record of when each version
-became usable. In ``naive`` mode (``<root>/mode`` says so) a fetcher downloads from the origin alone.
+so every weight chunk is new) each time the driver writes ``<root>/publish``; super-seeds, and sends each version
+out through the trainer role's own outbox (stage, publish, announce by gossip and again every 2 s). ``fetch``: a
+sampler's side: a real WeightSync (gossip, signed manifests, rarest-first chunk swarming), discovery through the
+DHT, and a record of when each version became usable. In ``naive`` mode (``<root>/mode`` says so) a fetcher
+downloads from the origin alone.
 
 ``--delta`` (the origin): versions are bf16 and travel as sparse patches of their parent, except in ``full`` mode,
 where the version is shipped whole (no patch). Each new version is one step of ``--delta-lr`` per fp32 master weight
@@ -26,6 +27,7 @@ import multiaddr
 import torch
 import trio
 from libp2p.crypto.keys import KeyPair
+from libp2p.peer.id import ID
 
 from node.config import NodeConfig
 from node.discovery import find_role, provide_forever, role_key
@@ -33,13 +35,13 @@ from node.host import Swarm
 from node.runtime import run_node
 from node.settings import WeightSettings, load_config_file
 from node.weights.chain import Step
-from node.weights.gossip import announce_topic
+from node.weights.outbox import Outbox
 from node.weights.patch import WeightChanges
 from node.weights.publish import Publisher
 from node.weights.server import WeightServer
 from node.weights.store import ChunkStore
-from node.weights.sync import WeightSync
-from protocols import weights as w
+from node.weights.sync import WeightSync, swarm_peers
+from protocols.weights import Manifest
 from trainer.model import load_model, save_model_dir
 
 PATCH_FRACTION = WeightSettings().patch_max_fraction  # the product's default
@@ -81,10 +83,10 @@ class Origin:
             )
         else:
             self.publisher = Publisher(self.store, key, self.config.swarm, chunk_size=self.chunk_size)
+        self.outbox = Outbox(self.publisher, self.stage, swarm.gossip, self.config.swarm, on_published=self.note)
 
-    def stage(self, version: int) -> Path:
-        """Blocking: write ``version``'s model dir where the publisher takes it."""
-        staging = self.publisher.staging_dir(version)
+    def stage(self, version: int, staging: Path) -> Path:
+        """Blocking: write ``version``'s model dir at ``staging``, where the publisher takes it."""
         if self.versions is not None:
             source = self.versions / f"v{version}"
             if not source.is_dir():
@@ -102,16 +104,8 @@ class Origin:
         dtype = torch.bfloat16 if self.delta else torch.float32
         return save_model_dir(self.model, staging, self.model_dir, dtype)
 
-    async def publish(self, swarm: Swarm) -> None:
-        version = self.version + 1
-        mode_file = self.root / "mode"
-        mode = mode_file.read_text() if mode_file.exists() else ""
-        # the naive baseline gets a plain server: super-seeding only pays when peers re-serve
-        self.server.origin = mode != "naive"
-        if self.delta:
-            self.publisher.patch_max_fraction = WHOLE if mode == "full" else PATCH_FRACTION
-        staging = await trio.to_thread.run_sync(self.stage, version)
-        mid, _, manifest = await trio.to_thread.run_sync(self.publisher.publish, staging, version)
+    def note(self, version: int, manifest: Manifest) -> None:
+        """A version is published (and about to be announced): the driver reads when, and what it weighs."""
         self.published[version] = {
             "time": time.time(),
             "bytes": manifest.total_size,
@@ -119,25 +113,27 @@ class Origin:
             "patch": manifest.patch is not None,
         }
         (self.root / "published.json").write_text(json.dumps(self.published))
-        self.version, self.mid = version, mid
-        await swarm.gossip.publish(announce_topic(self.config.swarm), w.announce(version, mid))
+        self.version = version
+
+    async def publish(self) -> None:
+        mode_file = self.root / "mode"
+        mode = mode_file.read_text() if mode_file.exists() else ""
+        # the naive baseline gets a plain server: super-seeding only pays when peers re-serve
+        self.server.origin = mode != "naive"
+        if self.delta:
+            self.publisher.patch_max_fraction = WHOLE if mode == "full" else PATCH_FRACTION
+        await self.outbox.send(self.version + 1)
 
     async def run(self, swarm: Swarm) -> None:
-        await self.publish(swarm)
+        await self.publish()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(provide_forever, swarm, role_key(self.config.swarm, "trainer"), 3.0)
-
-            async def reannounce() -> None:
-                while True:
-                    await trio.sleep(2.0)
-                    await swarm.gossip.publish(announce_topic(self.config.swarm), w.announce(self.version, self.mid))
-
-            nursery.start_soon(reannounce)
+            nursery.start_soon(self.outbox.announce_forever, 2.0)
             trigger = self.root / "publish"
             while True:
                 if trigger.exists():
                     trigger.unlink()
-                    await self.publish(swarm)
+                    await self.publish()
                 await trio.sleep(0.05)
 
     def status(self) -> dict[str, Any]:
@@ -159,7 +155,7 @@ class Fetcher:
     def register(self, swarm: Swarm) -> None:
         self.server.register(swarm.host)
 
-        async def installed(version: int, path: Path) -> None:
+        async def installed(version: int, path: Path, changes: WeightChanges | None) -> None:
             self.got[version] = now = time.time()
             heard = self.sync.heard_at.get(version)
             if heard is not None:
@@ -167,7 +163,12 @@ class Fetcher:
 
         assert self.config.trainer_id is not None
         trainer = self.config.trainer_id
-        self.sync = WeightSync(swarm, self.store, swarm.gossip, self.config.swarm, trainer, installed)
+        everyone, mode = swarm_peers(swarm), self.root / "mode"
+
+        def peers() -> list[ID]:
+            return [trainer] if mode.exists() and mode.read_text() == "naive" else everyone()
+
+        self.sync = WeightSync(swarm, self.store, swarm.gossip, self.config.swarm, trainer, installed, peers=peers)
         build = self.sync.build
 
         def timed_build(steps: list[Step]) -> tuple[Path, WeightChanges | None]:  # a worker thread, all chunks here
@@ -179,9 +180,6 @@ class Fetcher:
                 phases["built"] = time.time()
 
         self.sync.build = timed_build  # type: ignore[method-assign]
-        everyone = self.sync.peers
-        mode = self.root / "mode"
-        self.sync.peers = lambda: [trainer] if mode.exists() and mode.read_text() == "naive" else everyone()  # type: ignore[method-assign]
 
     async def run(self, swarm: Swarm) -> None:
         async with trio.open_nursery() as nursery:
