@@ -28,22 +28,38 @@ from typing import Any
 
 import trio
 from libp2p.abc import IHost, INetStream
+from libp2p.network.stream.exceptions import StreamClosed, StreamEOF, StreamReset
 from libp2p.peer.id import ID
+from libp2p.stream_muxer.exceptions import MuxedConnUnavailable, MuxedStreamError
 
-from protocols.errors import PeerClosed, ProtocolError
+from protocols.errors import PeerClosed, ProtocolError, RemoteError
 from protocols.framing import MAX_CONTAINERS, FrameReader, unpack, write_message
 from protocols.messages import error_reply, raise_if_error
 
 log = logging.getLogger(__name__)
 
+# refusals that mean "not now", without blame: the client waits and asks again (``backpressure``)
+BACKPRESSURE_CODES = frozenset({"rate_limited", "busy"})
 # refusals that are part of normal operation (backpressure; asking for a version this peer does not hold)
-QUIET_CODES = frozenset({"rate_limited", "not_found", "busy"})
+QUIET_CODES = BACKPRESSURE_CODES | {"not_found"}
+PEER_GONE = (StreamReset, StreamEOF, StreamClosed, MuxedStreamError, MuxedConnUnavailable)
+MAX_PAUSE = 30.0  # the longest a peer's retry_after makes a client wait: a peer cannot park us
 OFFLOAD_BYTES = 64 << 10  # decode bodies larger than this off the event loop
 IDLE_TIMEOUT = 30.0  # a served stream with no new request for this long is closed
 
 Handler = Callable[[dict[str, Any], ID], Awaitable[dict[str, Any]]]
 # told after each reply whether it was written out whole (True) or not (False: the stream failed or timed out)
 ReplySent = Callable[[dict[str, Any], bool], None]
+
+
+def backpressure(exc: BaseException) -> float | None:
+    """Seconds to wait before asking this peer again, if ``exc`` is its refusal for load (no blame); else None.
+
+    The one backpressure rule every client follows: the peer's ``retry_after``, 1 s when it named none, at most
+    ``MAX_PAUSE``."""
+    if not isinstance(exc, RemoteError) or exc.code not in BACKPRESSURE_CODES:
+        return None
+    return min(exc.retry_after or 1.0, MAX_PAUSE)
 
 
 class Busy(ProtocolError):
@@ -171,7 +187,9 @@ def serve(
             log.warning("%s: %s timed out", name, remote)
             await _reset(stream)
         except Exception as exc:
-            log.warning("%s: stream from %s failed: %s: %s", name, remote, type(exc).__name__, exc)
+            # a peer that went away mid-request (a superseded chunk request, a node stopping) is routine
+            level = logging.DEBUG if isinstance(exc, PEER_GONE) else logging.WARNING
+            log.log(level, "%s: stream from %s failed: %s: %s", name, remote, type(exc).__name__, exc)
             await _reset(stream)
 
     return on_stream
