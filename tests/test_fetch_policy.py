@@ -3,9 +3,13 @@ endgame, pacing by this node's own downlink, whom to drop, which versions to cha
 
 from __future__ import annotations
 
+import trio
+
+from node.rpc import MAX_PAUSE, backpressure
 from node.weights import policy
 from node.weights.policy import Board, FetchSettings, Layout, Record
 from protocols import weights as w
+from protocols.errors import RemoteError
 
 KIB = 1 << 10
 
@@ -127,7 +131,11 @@ def test_slow_or_withholding_peers_are_dropped_busy_ones_rest():
     assert policy.drop_reason(Record(withheld=3), typical) is None
     assert "advertised 4" in policy.drop_reason(Record(withheld=4, served=3 * typical), typical)
     assert policy.drop_reason(Record(withheld=4, served=4 * typical), typical) is None  # served as much as it held back
-    assert policy.rest_for(None) == 1.0 and policy.rest_for(3.0) == 3.0 and policy.rest_for(60.0) == policy.MAX_REST
+    # busy ones rest: the one backpressure rule every client follows
+    assert backpressure(RemoteError("busy", "full")) == 1.0
+    assert backpressure(RemoteError("rate_limited", "slow down", retry_after=3.0)) == 3.0
+    assert backpressure(RemoteError("busy", "full", retry_after=600.0)) == MAX_PAUSE  # a peer cannot park us
+    assert backpressure(RemoteError("forged", "no")) is None and backpressure(trio.TooSlowError()) is None
 
 
 def test_the_peer_set_keeps_its_members_and_fills_up_in_the_given_order():

@@ -39,11 +39,12 @@ import trio
 from libp2p.abc import IHost
 from libp2p.peer.id import ID
 
-from node.rpc import request
+from node.rpc import backpressure
 from node.strikes import Strikes
 from node.weights import policy
 from node.weights.manifest import chunk_sizes
 from node.weights.policy import FetchSettings, Layout, Record
+from node.weights.server import WeightsClient
 from node.weights.store import BadChunk, ChunkStore
 from protocols import weights as w
 from protocols.errors import RemoteError
@@ -98,7 +99,7 @@ class Download:
         settings: FetchSettings | None = None,
         wanted: Collection[bytes] | None = None,
     ) -> None:
-        self.host = host
+        self.client = WeightsClient(host)
         self.store = store
         self.manifest = manifest
         self.mid = manifest_id
@@ -221,16 +222,7 @@ class Download:
     async def _poll_one(self, peer: ID) -> None:
         self.heard[peer] = trio.current_time()  # asked, answered or not: not again before the interval
         try:
-            reply = await request(
-                self.host,
-                peer,
-                w.PROTOCOL_ID,
-                w.get_have(self.mid),
-                max_request=w.MAX_REQUEST_FRAME,
-                max_reply=w.MAX_REPLY_FRAME,
-                timeout=5.0,
-            )
-            _mid, bits = w.parse_have(reply, len(self.layout.chunks))
+            bits = await self.client.have(peer, self.mid, len(self.layout.chunks))
         except Exception:
             return  # not holding this version (yet), or gone
         self._learn_bits(peer, bits)
@@ -291,20 +283,13 @@ class Download:
         size, queued = self.layout.bytes_of(batch), self.bytes_in_flight()
         deadline = policy.reply_deadline(peer == self.origin, size, queued, self.downlink.rate(), self.settings)
         try:
-            reply = await request(
-                self.host,
-                peer,
-                w.PROTOCOL_ID,
-                w.get_chunks(hashes, self.mid),
-                max_request=w.MAX_REQUEST_FRAME,
-                max_reply=w.MAX_REPLY_FRAME,
-                timeout=deadline,
+            found, bits = await self.client.chunks(
+                peer, hashes, self.mid, self.manifest.chunk_size, len(self.layout.chunks), deadline
             )
-            found, _missing = w.parse_chunks_reply(reply, hashes, self.manifest.chunk_size)
-            bits = w.parse_reply_bits(reply, len(self.layout.chunks))
         except RemoteError as exc:
-            if exc.code in ("busy", "rate_limited"):  # its upload limit: ask again later, no blame
-                self.resting[peer] = trio.current_time() + policy.rest_for(exc.retry_after)
+            pause = backpressure(exc)
+            if pause is not None:  # its upload limit: ask again later, no blame
+                self.resting[peer] = trio.current_time() + pause
                 return True
             self._failed(peer, batch, f"{exc}")
             return False

@@ -18,9 +18,10 @@ Pacing (``arrival_rate``, ``in_flight_budget``, ``fit``, ``reply_deadline``). By
 always carries at least one chunk. A peer's reply must come at ``min_rate`` or better, allowing for everything
 queued before it on this node's own downlink, and within ``request_timeout`` (the origin's: that alone).
 
-Blame (``drop_reason``, ``rest_for``). A peer whose replies missed their deadline ``SLOW_LIMIT`` times, or that
+Blame (``drop_reason``). A peer whose replies missed their deadline ``SLOW_LIMIT`` times, or that
 failed to serve ``WITHHELD_LIMIT`` or more chunks it advertised, more than the typical chunks it did serve, is
-dropped from the download (and struck). "busy"/"rate_limited" is no fault: the peer rests ``rest_for`` seconds.
+dropped from the download (and struck). "busy"/"rate_limited" is no fault: the peer rests as long as
+``node.rpc.backpressure`` says.
 A worker gives up on its peer after ``WORKER_FAILURES`` failed requests in a row.
 
 Versions (``is_news``, ``take_announcement``, ``cancel_for_newer``, ``rebuild_now``). A version is worth chasing
@@ -48,7 +49,6 @@ ORIGIN_REQUEST_BYTES = 1 << 20  # ... and to the origin, whose uplink every down
 SLOW_LIMIT = 2  # replies past their deadline before a peer is dropped
 WITHHELD_LIMIT = 4  # advertised chunks not served before a peer may be dropped
 WORKER_FAILURES = 3  # failed requests in a row before a worker stops asking its peer
-MAX_REST = 10.0  # most seconds a busy peer rests before it is asked again
 ANNOUNCE_FAILURES = 3  # useless announcements before the announcer is struck
 MAX_PENDING_ANNOUNCEMENTS = 64  # announced manifests being fetched at once
 BUILD_RETRIES = 3  # rebuild attempts of one target after bad links, before waiting for a newer one
@@ -236,11 +236,6 @@ def drop_reason(record: Record, typical: int) -> str | None:
     if record.withheld >= WITHHELD_LIMIT and record.withheld > record.served // max(1, typical):
         return f"advertised {record.withheld} chunks it then did not serve"
     return None
-
-
-def rest_for(retry_after: float | None) -> float:
-    """Seconds a peer that said "busy" or "rate_limited" is left alone (no blame: its upload limit)."""
-    return min(retry_after or 1.0, MAX_REST)
 
 
 # -- versions --------------------------------------------------------------------------------------------------

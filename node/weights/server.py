@@ -10,7 +10,7 @@ from libp2p.abc import IHost
 from libp2p.peer.id import ID
 
 from node.ratelimit import PeerRateLimiter
-from node.rpc import serve
+from node.rpc import request, serve
 from node.weights.store import ChunkStore
 from protocols import weights as w
 from protocols.errors import ProtocolError
@@ -153,3 +153,55 @@ class WeightServer:
         if entry is None:
             raise NotFound(f"manifest {arg.hex()[:12]} is not held here")
         return w.have_reply(arg, self.store.bitfield(entry[1]))
+
+
+class WeightsClient:
+    """The client side of the protocol ``WeightServer`` serves: one method per request, each with its frame limits
+    and its reply checked, so callers hold parsed data or an exception (RemoteError for a refusal; ``rpc.
+    backpressure`` says whether it means "later")."""
+
+    def __init__(self, host: IHost) -> None:
+        self.host = host
+
+    async def manifest(self, peer: ID, mid: bytes | None, timeout: float) -> w.SignedManifest:
+        """Manifest ``mid`` (None: the newest this peer holds), still to be verified against the trainer's key."""
+        reply = await request(
+            self.host,
+            peer,
+            w.PROTOCOL_ID,
+            w.get_manifest(mid),
+            max_request=w.MAX_REQUEST_FRAME,
+            max_reply=w.MAX_MANIFEST_BODY + 4096,
+            timeout=timeout,
+        )
+        return w.SignedManifest.from_wire(reply)
+
+    async def have(self, peer: ID, mid: bytes, n_chunks: int, timeout: float = 5.0) -> bytes:
+        """Which of version ``mid``'s ``n_chunks`` chunks the peer holds, as a bitfield."""
+        reply = await request(
+            self.host,
+            peer,
+            w.PROTOCOL_ID,
+            w.get_have(mid),
+            max_request=w.MAX_REQUEST_FRAME,
+            max_reply=w.MAX_REPLY_FRAME,
+            timeout=timeout,
+        )
+        return w.parse_have(reply, n_chunks)[1]
+
+    async def chunks(
+        self, peer: ID, hashes: list[bytes], mid: bytes, chunk_size: int, n_chunks: int, timeout: float
+    ) -> tuple[dict[bytes, bytes], bytes | None]:
+        """The chunks among ``hashes`` the peer sent (each still to be checked against its hash), and the bitfield
+        of version ``mid`` it piggybacked on the reply, if any."""
+        reply = await request(
+            self.host,
+            peer,
+            w.PROTOCOL_ID,
+            w.get_chunks(hashes, mid),
+            max_request=w.MAX_REQUEST_FRAME,
+            max_reply=w.MAX_REPLY_FRAME,
+            timeout=timeout,
+        )
+        found, _missing = w.parse_chunks_reply(reply, hashes, chunk_size)
+        return found, w.parse_reply_bits(reply, n_chunks)

@@ -24,7 +24,6 @@ import trio
 from libp2p.peer.id import ID
 
 from node.host import Swarm
-from node.rpc import request
 from node.settings import WeightSettings
 from node.strikes import Strikes
 from node.weights import policy
@@ -35,6 +34,7 @@ from node.weights.hashes import manifest_id
 from node.weights.manifest import ForgedManifest, verify_manifest
 from node.weights.patch import PatchError, TensorMismatch, WeightChanges
 from node.weights.policy import FetchSettings
+from node.weights.server import WeightsClient
 from node.weights.store import BadChunk, ChunkStore
 from protocols import weights as w
 from protocols.errors import ProtocolError
@@ -106,6 +106,7 @@ class WeightSync:
         """``peers``: whom to ask for chunks and manifests (default: every connected peer)."""
         settings = settings or WeightSettings()
         self.swarm = swarm
+        self.client = WeightsClient(swarm.host)
         self.peers = peers or swarm_peers(swarm)
         self.store = store
         self.gossip = gossip
@@ -252,16 +253,7 @@ class WeightSync:
     ) -> tuple[w.SignedManifest, w.Manifest]:
         """Manifest ``mid`` (None: the newest) from ``peer``, signed by the trusted trainer for this swarm, and the
         one asked for (ForgedManifest otherwise: a replay of another manifest is a lie too)."""
-        reply = await request(
-            self.swarm.host,
-            peer,
-            w.PROTOCOL_ID,
-            w.get_manifest(mid),
-            max_request=w.MAX_REQUEST_FRAME,
-            max_reply=w.MAX_MANIFEST_BODY + 4096,
-            timeout=timeout,
-        )
-        signed = w.SignedManifest.from_wire(reply)
+        signed = await self.client.manifest(peer, mid, timeout)
         manifest = verify_manifest(signed, self.trainer_id, self.swarm_name)
         if mid is not None and manifest_id(signed) != mid:
             raise ForgedManifest("asked for one manifest, answered with another (a replay?)")
