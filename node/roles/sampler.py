@@ -18,13 +18,13 @@ from node.discovery import SamplerDiscovery, provide_forever, role_key
 from node.engines import Engine
 from node.engines import install as install_weights
 from node.host import Swarm
-from node.rpc import request
+from node.roles.trainer_rpc import TrainerClient
+from node.rpc import backpressure
 from node.settings import Settings
 from node.weights.patch import WeightChanges
 from node.weights.server import WeightServer
 from node.weights.store import ChunkStore
 from node.weights.sync import WeightSync
-from protocols import rollouts, work
 from protocols.draw import RULE as DRAW_RULE
 from protocols.errors import ProtocolError, RemoteError
 from protocols.rollouts import RolloutAck, RolloutGroup, Sample
@@ -96,6 +96,7 @@ class SamplerRole:
     def register(self, swarm: Swarm) -> None:
         self.swarm = swarm
         self.weight_server.register(swarm.host)
+        self.trainer = TrainerClient(swarm.host, self.config.rollout_timeout)
         self.weights = WeightSync(
             swarm,
             self.store,
@@ -139,20 +140,15 @@ class SamplerRole:
         while True:
             await self.discovery.trainer_found.wait()
             try:
-                reply = await request(
-                    swarm.host,
-                    self.trainer_id,
-                    work.PROTOCOL_ID,
-                    WorkRequest(self.settings.groups_per_request, self.report()).to_wire(),
-                    max_request=work.MAX_FRAME,
-                    max_reply=work.MAX_FRAME,
+                lease = await self.trainer.lease(
+                    self.trainer_id, WorkRequest(self.settings.groups_per_request, self.report())
                 )
-                lease = WorkLease.from_wire(reply)
             except RemoteError as exc:
                 self.last_error = str(exc)
-                if exc.code in ("rate_limited", "busy"):
+                pause = backpressure(exc)
+                if pause is not None:
                     self.rate_limited += 1
-                    await trio.sleep(min(exc.retry_after or 1.0, 30.0))
+                    await trio.sleep(pause)
                     continue
                 log.warning("trainer refused work: %s", exc)
                 await trio.sleep(backoff := min(backoff * 2, 30.0))
@@ -224,21 +220,12 @@ class SamplerRole:
         attempt, waited = 0, 0.0
         while attempt < self.settings.submit_attempts:
             try:
-                reply = await request(
-                    swarm.host,
-                    self.trainer_id,
-                    rollouts.PROTOCOL_ID,
-                    group.to_wire(),
-                    max_request=rollouts.MAX_FRAME,
-                    max_reply=rollouts.MAX_ACK_FRAME,
-                    timeout=self.config.rollout_timeout,
-                )
-                ack = RolloutAck.from_wire(reply)
+                ack = await self.trainer.submit(self.trainer_id, group)
             except RemoteError as exc:
                 self.last_error = str(exc)
-                if exc.code in ("rate_limited", "busy") and waited < self.settings.rate_limit_patience:
+                pause = backpressure(exc)
+                if pause is not None and waited < self.settings.rate_limit_patience:
                     self.rate_limited += 1
-                    pause = min(exc.retry_after or 1.0, 30.0)
                     waited += pause
                     await trio.sleep(pause)
                     continue

@@ -27,14 +27,13 @@ from node.discovery import provide_forever, role_key
 from node.host import Swarm
 from node.intake import RolloutIntake
 from node.roles.checkpoints import Checkpoints
-from node.rpc import serve
+from node.roles.trainer_rpc import serve_trainer
 from node.runlog import RunLog, StepMeter
 from node.settings import Settings
 from node.weights.outbox import Outbox
 from node.weights.publish import Publisher
 from node.weights.server import WeightServer
 from node.weights.store import ChunkStore
-from protocols import rollouts, work
 from protocols.work import WorkRequest
 from trainer.learner import Learner
 from trainer.memory import limit_malloc_arenas
@@ -94,22 +93,16 @@ class TrainerRole:
             on_published=lambda version, _: self.view.trainer_version(version),
         )
         self.weight_server.register(swarm.host)
-        s, intake = self.settings, self.intake
-        swarm.host.set_stream_handler(
-            work.PROTOCOL_ID,
-            serve("work", self.on_work, work.MAX_FRAME, work.MAX_FRAME, admit=lambda p: intake.admit_work(str(p))),
-        )
-        swarm.host.set_stream_handler(
-            rollouts.PROTOCOL_ID,
-            serve(
-                "rollouts",
-                self.on_rollouts,
-                rollouts.frame_limit(s.group_size, s.max_tokens),
-                rollouts.MAX_ACK_FRAME,
-                self.config.rollout_timeout,
-                admit=lambda p: intake.admit_rollouts(str(p)),
-                max_containers=rollouts.max_containers(s.group_size),
-            ),
+        intake = self.intake
+        serve_trainer(
+            swarm.host,
+            self.on_work,
+            self.on_rollouts,
+            admit_work=lambda p: intake.admit_work(str(p)),
+            admit_rollouts=lambda p: intake.admit_rollouts(str(p)),
+            group_size=self.settings.group_size,
+            max_tokens=self.settings.max_tokens,
+            rollout_timeout=self.config.rollout_timeout,
         )
 
     async def on_work(self, message: dict[str, Any], remote: ID) -> dict[str, Any]:
