@@ -304,7 +304,7 @@ async def test_slow_streams_cannot_pile_up(trainer_and_client):
 @pytest.mark.slow
 async def test_after_300_identities_come_and_go_a_new_sampler_still_joins(tmp_path, tiny_model_dir, nursery):
     """Issue 17, 1: fresh identities that connect, take a lease and leave used to lock a node for good after 250
-    (py-libp2p held an inbound slot per connection until the swarm stopped; node/libp2p_patches.py frees it)."""
+    (py-libp2p held an inbound slot per connection until the swarm stopped; node/libp2p/patches.py frees it)."""
     from libp2p.crypto.ed25519 import create_new_key_pair
     from libp2p.peer.peerinfo import info_from_p2p_addr
 
