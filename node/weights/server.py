@@ -163,30 +163,25 @@ class WeightsClient:
     def __init__(self, host: IHost) -> None:
         self.host = host
 
-    async def manifest(self, peer: ID, mid: bytes | None, timeout: float) -> w.SignedManifest:
-        """Manifest ``mid`` (None: the newest this peer holds), still to be verified against the trainer's key."""
-        reply = await request(
+    async def _ask(self, peer: ID, message: dict[str, Any], max_reply: int, timeout: float) -> dict[str, Any]:
+        return await request(
             self.host,
             peer,
             w.PROTOCOL_ID,
-            w.get_manifest(mid),
+            message,
             max_request=w.MAX_REQUEST_FRAME,
-            max_reply=w.MAX_MANIFEST_BODY + 4096,
+            max_reply=max_reply,
             timeout=timeout,
         )
+
+    async def manifest(self, peer: ID, mid: bytes | None, timeout: float) -> w.SignedManifest:
+        """Manifest ``mid`` (None: the newest this peer holds), still to be verified against the trainer's key."""
+        reply = await self._ask(peer, w.get_manifest(mid), w.MAX_MANIFEST_BODY + 4096, timeout)
         return w.SignedManifest.from_wire(reply)
 
     async def have(self, peer: ID, mid: bytes, n_chunks: int, timeout: float = 5.0) -> bytes:
         """Which of version ``mid``'s ``n_chunks`` chunks the peer holds, as a bitfield."""
-        reply = await request(
-            self.host,
-            peer,
-            w.PROTOCOL_ID,
-            w.get_have(mid),
-            max_request=w.MAX_REQUEST_FRAME,
-            max_reply=w.MAX_REPLY_FRAME,
-            timeout=timeout,
-        )
+        reply = await self._ask(peer, w.get_have(mid), w.MAX_REPLY_FRAME, timeout)
         return w.parse_have(reply, n_chunks)[1]
 
     async def chunks(
@@ -194,14 +189,6 @@ class WeightsClient:
     ) -> tuple[dict[bytes, bytes], bytes | None]:
         """The chunks among ``hashes`` the peer sent (each still to be checked against its hash), and the bitfield
         of version ``mid`` it piggybacked on the reply, if any."""
-        reply = await request(
-            self.host,
-            peer,
-            w.PROTOCOL_ID,
-            w.get_chunks(hashes, mid),
-            max_request=w.MAX_REQUEST_FRAME,
-            max_reply=w.MAX_REPLY_FRAME,
-            timeout=timeout,
-        )
+        reply = await self._ask(peer, w.get_chunks(hashes, mid), w.MAX_REPLY_FRAME, timeout)
         found, _missing = w.parse_chunks_reply(reply, hashes, chunk_size)
         return found, w.parse_reply_bits(reply, n_chunks)
