@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -92,3 +95,40 @@ def test_bad_model_dirs_fail_clearly(tmp_path, tiny_model_dir):
     e = make_engine("mlx", tiny_model_dir, bits=8)
     with pytest.raises(UserError, match="do not fit"):
         e.swap(bigger, version=1)
+
+
+# A worker thread builds the engine (the sampler does it in trio's thread cache), and that thread exits while the
+# interpreter shuts down: the finalizer below keeps shutdown busy for a second, so the worker's idle wake-up lands
+# inside it. Importing mlx-lm on such a thread left MLX thread-local state whose destructor took the GIL, and the
+# process aborted (exit 134) after every test had passed.
+_EXIT_SCRIPT = """
+import sys, threading, time
+from pathlib import Path
+from node.engines import engine_factory
+make = engine_factory(sys.argv[2], "8")
+built = threading.Event()
+def build():
+    make(Path(sys.argv[1]), 0)
+    built.set()
+    time.sleep(1.0)
+threading.Thread(target=build, daemon=True).start()
+built.wait()
+time.sleep(0.3)
+class SlowShutdown:
+    def __del__(self):
+        time.sleep(1.5)
+KEEP = SlowShutdown()
+"""
+
+
+@pytest.mark.parametrize("engine", ["mlx", "torch"])
+def test_a_process_that_built_an_engine_in_a_worker_thread_exits_cleanly(tiny_model_dir, engine):
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_SCRIPT, str(tiny_model_dir), engine],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-500:]}"

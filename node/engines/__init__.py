@@ -47,7 +47,17 @@ def make_engine(name: str, model_dir: Path, bits: int | None = 8, version: int =
 
 
 def engine_factory(name: str, bits: str, compute: str = "auto") -> Callable[[Path, int], Engine]:
-    """A sampler's engine maker from its settings: (model dir, version) -> engine."""
+    """A sampler's engine maker from its settings: (model dir, version) -> engine.
+
+    The engine's module is imported here, on the caller's thread, not when the maker runs (in a worker thread):
+    importing mlx-lm leaves MLX thread-local state on the importing thread, whose destructor takes the GIL, and a
+    worker thread that exits while the interpreter shuts down then aborts the process ("terminate called without
+    an active exception", exit 134; reproduced in tests/test_engines.py)."""
+    name = auto_engine() if name == "auto" else name
+    if name == "mlx":
+        import node.engines.mlx_engine
+    elif name == "torch":
+        import node.engines.torch_engine  # noqa: F401
     quant_bits = None if bits == "none" else int(bits)
     return lambda path, version: make_engine(name, path, bits=quant_bits, version=version, compute=compute)
 
