@@ -192,6 +192,12 @@ def test_wan_faults_lose_nothing_and_every_sampler_converges(tmp_path, tiny_mode
             "late joiners' first version",
         )
 
+        # the injector boots a whole sampler (~100 s here: imports, DHT, engine, weights): it does so now, while
+        # s4's phase and the flood's run (the attacks waited ~50 s for it when it started after them), and samples
+        # nothing until it is armed with the other attackers
+        arm = tmp_path / "arm-inject"
+        swarm.start_hostile("inject", "inject", "--arm-file", str(arm))
+
         # -- a sampler killed mid-transfer resumes from the chunks it kept ------------------------------
         swarm.start("s4")
 
@@ -208,11 +214,6 @@ def test_wan_faults_lose_nothing_and_every_sampler_converges(tmp_path, tiny_mode
         swarm.start("s4")
         sc.down.discard("s4")
         sc.pump(lambda: below(sc.versions(["s4"]), 0, "version"), 120, "s4 to finish after its restart")
-
-        # the injector boots a whole sampler (~100 s here: imports, DHT, engine, weights): it does so now, and
-        # samples nothing until it is armed with the other attackers
-        arm = tmp_path / "arm-inject"
-        swarm.start_hostile("inject", "inject", "--arm-file", str(arm))
 
         # -- a flooder gets rate-limited; everyone else keeps working ------------------------------------
         swarm.start_hostile("flood", "flood")
