@@ -51,6 +51,12 @@ def take_batch(queue: deque[Entry], want: int, version: int, max_staleness: int,
     return out
 
 
+def fate(group: Group) -> str:
+    """What became of an accepted group that is neither buffered nor trained (a journal compaction's tally):
+    dropped as carrying no signal, or as stale (too old, or fallen off the buffer's end)."""
+    return "stale" if has_signal(group.rewards) else "no_signal"
+
+
 class SeenIds:
     """Rollout ids already accepted, by the version they were sampled on: a resend is answered "duplicate". Ids of
     versions too old to be accepted again are forgotten (a resend of one is refused as stale anyway), so this set

@@ -1,16 +1,17 @@
 """Never trust a sampler: every rollout group is checked against the lease, the task and the trainer's own model.
 
 Checks, cheapest first: the claimed sampler id is the stream's authenticated peer; the lease exists, is that
-peer's, and holds this seed; the prompt equals the one the trainer builds from (task, seed); the group size
-and sampling parameters match the lease; the version is not too stale. Then rewards are recomputed (a claimed
-reward that differs is forgery) and the claimed logprobs are compared with the trainer's recomputation at the
-claimed version (``score``, given by the trainer role: the learner's), and every token must be the one the
-lease's seed draws under the seeded-draw rule (protocols/draw.py), both within what the honest noise of the
-sampler's declared mode explains (node/intake/noise.py: the mode must be one the trainer accepts and the one the
-peer declared first; a peer whose logprobs are fp32-exact is held to fp32 limits whatever it declares), and the
-peer's near-boundary flips over its history must stay plausible for that noise: a sampler cannot choose its
-tokens, only sample them. ``Forged`` means the peer lied (the
-intake strikes it); ``Rejected`` is refusal without blame.
+peer's, and holds this seed; the tokens were drawn by the protocol's rule (a lease holder naming another rule, or
+none, is a forger: the protocol fixes the rule, and dropping a seed must not be free); the prompt equals the one
+the trainer builds from (task, seed); the group size and sampling parameters match the lease; the version is not
+too stale. Then rewards are recomputed (a claimed reward that differs is forgery) and the claimed logprobs are
+compared with the trainer's recomputation at the claimed version (``score``, given by the trainer role: the
+learner's), and every token must be the one the lease's seed draws under the seeded-draw rule (protocols/draw.py),
+both within what the honest noise of the sampler's declared mode explains (node/intake/noise.py: the mode must be
+one the trainer accepts and the one the peer declared first; a peer whose logprobs are fp32-exact is held to fp32
+limits whatever it declares), and the peer's near-boundary flips over its history must stay plausible for that
+noise: a sampler cannot choose its tokens, only sample them. ``Forged`` means the peer lied (the intake strikes
+it); ``Rejected`` is refusal without blame.
 """
 
 from __future__ import annotations
@@ -82,8 +83,6 @@ class RolloutVerifier:
         self.scored_tokens = 0  # prompt and completion tokens those forward passes took
 
     def check_lease(self, g: RolloutGroup, remote: str, current_version: int) -> None:
-        if g.draw != DRAW_RULE:  # an older sampler: not a liar, but its tokens cannot be checked
-            raise Rejected(f"tokens must be drawn by {DRAW_RULE} (got {g.draw!r}): upgrade this sampler")
         if g.sampler != remote:
             raise Forged(f"group claims sampler {g.sampler} but arrived from {remote}")
         rec = self.leases.get(g.lease_id)
@@ -93,6 +92,10 @@ class RolloutVerifier:
             raise Forged(f"lease {g.lease_id} was issued to another peer")
         if g.seed not in rec.open_seeds:
             raise Rejected(f"seed {g.seed} is not open in lease {g.lease_id}")
+        if g.draw != DRAW_RULE:
+            # the rule is fixed by the protocol and the lease holder chose to ignore it (refused without blame, a
+            # sampler could drop any prompt it dislikes for free: censorship)
+            raise Forged(f"tokens must be drawn by {DRAW_RULE} (got {g.draw!r})")
         if g.task_id != self.task.name:
             raise Forged(f"task {g.task_id!r} is not this swarm's task {self.task.name!r}")
         lease = rec.lease
