@@ -4,11 +4,12 @@ Leases are kept in issue order, so expiring them is cheap (the oldest are at the
 identities asks for; each peer may hold only ``max_open_per_peer`` of them at once.
 
 A seed that does not come back trained is not lost: a lease that expires with open seeds, a seed refused without
-blame, and one forged, all go back in a queue and are leased again to another peer with an accepted record (never
-to one that held it before), so a sampler cannot censor prompts by dropping them. Each peer's seeds never sent
-back (its leases expired) are counted, fading with time, and a peer leaving far more of its seeds unreturned than
-the swarm's typical peer stops getting leases (``refuses_leases``). Peers without an accepted record share one
-pool of open leases (``pool_decision``): fresh identities are free, so their total is bounded, not each one's.
+blame, and a banned peer's seeds all go back in a queue and are leased again to another peer with an accepted
+record (never to one that held it before), so a sampler cannot censor prompts by dropping them. Each peer's seeds
+never sent back (its leases expired) are counted, fading with time, and a peer leaving far more of its seeds
+unreturned than the swarm's typical peer stops getting leases (``refuses_leases``). Peers without an accepted
+record share one pool of open leases (``pool_decision``): fresh identities are free, so their total is bounded, not
+each one's.
 """
 
 from __future__ import annotations
@@ -254,14 +255,22 @@ class LeaseBook:
                 self._forget(lease_id)
 
     def release(self, lease_id: str, seed: int) -> None:
-        """The lease's holder sent this seed back unusable (refused without blame, or forged and struck): the seed
-        goes to another peer. Not counted as unreturned: an honest sampler that fell behind has groups refused as
-        stale, and the non-return rule is for seeds never sent back at all."""
+        """The lease's holder sent this seed back refused without blame (stale, say): the seed goes to another
+        peer. Not counted as unreturned: an honest sampler that fell behind has groups refused as stale, and the
+        non-return rule is for seeds never sent back at all. (A forged seed stays open, each resend a strike; its
+        peer's seeds are released when it is banned, or when its lease expires.)"""
         rec = self._leases.get(lease_id)
         if rec is None or seed not in rec.open_seeds:
             return
         self._requeue_from(rec, [seed])
         self.close_seed(lease_id, seed)
+
+    def release_peer(self, peer: str) -> None:
+        """``peer`` was banned: every seed it holds goes to another peer now, not when its leases expire."""
+        for lid in [lid for lid, rec in self._leases.items() if rec.peer == peer]:
+            rec = self._leases[lid]
+            self._requeue_from(rec, sorted(rec.open_seeds))
+            self._forget(lid)
 
     def _unreturned(self, rec: LeaseRecord, seeds: list[int]) -> None:
         """Seeds ``rec``'s peer never sent back (its lease expired, or was taken back): counted against it."""
