@@ -24,6 +24,16 @@ mechanics in node/libp2p/nat.py; measured in tests/test_nat.py and tests/test_li
   connection to the peer exists, and the request itself arrives on one: every node was told it is reachable.
   ``DialBack`` dials a fresh connection (``Swarm.dial_addr``), checks the peer id (the Noise handshake does), then
   closes it.
+- autonat-claimed-peer: the AutoNAT server dials the peer id a request *names*, and limits nothing: one identity
+  naming made-up ids had a trainer dial 44 ports of its choosing while an honest request waited > 50 s in an
+  unbounded queue. ``DialBack`` serves only the stream's authenticated peer (a request naming another id is
+  E_BAD_REQUEST); ``DialBacks`` admits a request by ``dial_back_refusal`` (one per peer per ``DIAL_BACK_EVERY``,
+  ``DIAL_BACKS_PER_IP`` pending and ``DIAL_BACK_IP_RATE`` addresses a second per IP, ``DIAL_BACK_QUEUE`` pending
+  in all) and refuses the rest at once, saying why; a request holds a dial slot for two dial timeouts at most.
+- relay-reserve-claimed-peer: circuit relay v2 books a RESERVE for the peer id the message names: one identity held
+  all 64 slots with made-up ids. ``RelayHop`` books the stream's peer; ``Relay`` admits by
+  ``reservation_refusal`` (one per peer, ``relay_slots_per_ip`` per IP); a departed peer's reservation frees its
+  slot.
 - autonat-observed-ip: the AutoNAT server dials only addresses whose IP equals the requester's observed IP, so a
   node listening on a private or wildcard address (every node behind a NAT) is never dialed at all. ``DialBack``
   dials the observed IP at the advertised TCP ports instead (the same anti-amplification rule: it never dials
@@ -43,10 +53,11 @@ mechanics in node/libp2p/nat.py; measured in tests/test_nat.py and tests/test_li
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -86,6 +97,169 @@ RELAYS_WANTED = 2
 DIRECT_DIAL_TIMEOUT = 4.0  # before falling back to a relay
 PUNCH_RETRY_AFTER = 60.0  # seconds between rounds of hole-punch attempts for a pair that stays relayed
 RELAYED_GRACE = 5.0  # a relayed connection is closed this long after a direct one to the same peer is up
+RELAY_SLOTS_PER_IP = 4  # relay reservations held at once for peers at one IP (an IPv6 /64)
+DIAL_BACK_SLOTS = 4  # dial-backs dialing at once
+DIAL_BACK_QUEUE = 8  # dial-back requests admitted at once (dialing, or waiting for a slot); more: refused, "busy"
+DIAL_BACKS_PER_IP = 2  # of those, from one IP (an IPv6 /64)
+DIAL_BACK_IP_BURST = 8.0  # addresses dialed back at one IP: this many at once,
+DIAL_BACK_IP_RATE = 0.2  # then this many a second (12 a minute)
+
+
+# -- limits: whom the relay and the dial-back server serve (pure rules; the mechanics are node/libp2p/nat.py's) ----
+
+
+def ip_group(ip: str) -> str:
+    """What per-IP limits count by: the IPv4 address, or the /64 an IPv6 address is in (one host's usual share:
+    a peer with a /64 has 2^64 addresses to rotate through)."""
+    try:
+        addr = ipaddress.ip_address(ip)
+    except ValueError:
+        return ip
+    if isinstance(addr, ipaddress.IPv6Address):
+        if addr.ipv4_mapped is not None:
+            return str(addr.ipv4_mapped)
+        return str(ipaddress.IPv6Network(f"{addr}/64", strict=False))
+    return str(addr)
+
+
+def reservation_refusal(
+    peer: ID, ip: str | None, holders: Mapping[ID, str | None], slots: int, per_ip: int
+) -> str | None:
+    """Why ``peer`` (a RESERVE stream's authenticated peer, seen at ``ip``) may not hold a relay reservation now, or
+    None. ``holders``: the peers holding a live reservation, with the IP each reserved from. A peer renews its own
+    reservation (one per peer, whatever peer id a RESERVE names); a new one needs a free slot and fewer than
+    ``per_ip`` reservations held from its IP."""
+    if peer in holders:
+        return None
+    if ip is None:
+        return "no IP to count the reservation against"
+    group = ip_group(ip)
+    if sum(1 for h in holders.values() if h is not None and ip_group(h) == group) >= per_ip:
+        return f"{per_ip} reservations already held from {group}"
+    if len(holders) >= slots:
+        return f"all {slots} reservation slots taken"
+    return None
+
+
+@dataclass(frozen=True)
+class DialBackLimits:
+    """How much dial-back work peers may ask of this node (``dial_back_refusal`` applies them)."""
+
+    every: float = DIAL_BACK_EVERY  # one request per peer this often
+    queue: int = DIAL_BACK_QUEUE
+    per_ip: int = DIAL_BACKS_PER_IP
+    ip_burst: float = DIAL_BACK_IP_BURST
+    ip_rate: float = DIAL_BACK_IP_RATE
+
+
+def dial_back_refusal(
+    *,
+    since_asked: float | None,
+    peer_pending: bool,
+    ip_pending: int,
+    pending: int,
+    ip_tokens: float,
+    cost: int,
+    limits: DialBackLimits,
+) -> str | None:
+    """Why a dial-back request is refused now, or None: ``since_asked`` seconds since this peer's last admitted
+    request (None: never), whether one of its requests is still pending, how many are pending from its IP and from
+    everyone, the addresses its IP may still have dialed (``ip_tokens``) and how many this request names."""
+    if peer_pending or (since_asked is not None and since_asked < limits.every):
+        return f"asked too often: one dial-back per peer every {limits.every:g} s"
+    if ip_pending >= limits.per_ip:
+        return f"busy: {ip_pending} dial-backs pending from your IP"
+    if ip_tokens < cost:
+        return f"too many dial-backs to your IP: {limits.ip_rate * 60:g} addresses a minute"
+    if pending >= limits.queue:
+        return f"busy: {pending} dial-backs pending, try again later"
+    return None
+
+
+class DialBackGate:
+    """The state ``dial_back_refusal`` reads, keyed on the stream's peer and its IP group (never on a peer id a
+    request names), bounded: idle entries go once there are 4096."""
+
+    def __init__(self, limits: DialBackLimits, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limits = limits
+        self.clock = clock
+        self.pending = 0
+        self.refused = 0
+        self._asked: dict[ID, float] = {}
+        self._peer_pending: set[ID] = set()
+        self._ip_pending: dict[str, int] = {}
+        self._buckets: dict[str, tuple[float, float]] = {}  # ip group -> (tokens, when)
+
+    def _tokens(self, group: str, now: float) -> float:
+        tokens, when = self._buckets.get(group, (self.limits.ip_burst, now))
+        return min(self.limits.ip_burst, tokens + (now - when) * self.limits.ip_rate)
+
+    def admit(self, peer: ID, ip: str, cost: int) -> str | None:
+        """None and the request counted as pending (``release`` it when done), or why it is refused."""
+        now, group = self.clock(), ip_group(ip)
+        asked = self._asked.get(peer)
+        tokens = self._tokens(group, now)
+        why = dial_back_refusal(
+            since_asked=None if asked is None else now - asked,
+            peer_pending=peer in self._peer_pending,
+            ip_pending=self._ip_pending.get(group, 0),
+            pending=self.pending,
+            ip_tokens=tokens,
+            cost=cost,
+            limits=self.limits,
+        )
+        if why is not None:
+            self.refused += 1
+            return why
+        self._asked[peer] = now
+        self._buckets[group] = (tokens - cost, now)
+        self._peer_pending.add(peer)
+        self._ip_pending[group] = self._ip_pending.get(group, 0) + 1
+        self.pending += 1
+        self._forget_idle(now)
+        return None
+
+    def release(self, peer: ID, ip: str) -> None:
+        group = ip_group(ip)
+        self._peer_pending.discard(peer)
+        left = self._ip_pending.get(group, 0) - 1
+        if left > 0:
+            self._ip_pending[group] = left
+        else:
+            self._ip_pending.pop(group, None)
+        self.pending = max(0, self.pending - 1)
+
+    def _forget_idle(self, now: float) -> None:
+        if len(self._asked) > 4096:
+            self._asked = {p: t for p, t in self._asked.items() if now - t < self.limits.every}
+        if len(self._buckets) > 4096:  # a full bucket is as good as none
+            refill = self.limits.ip_burst / self.limits.ip_rate if self.limits.ip_rate > 0 else float("inf")
+            self._buckets = {g: b for g, b in self._buckets.items() if now - b[1] < refill}
+
+
+class DialBacks(DialBack):
+    """The dial-back server with ``DialBackGate``'s limits."""
+
+    def __init__(self, host: IHost, limits: DialBackLimits, timeout: float) -> None:
+        super().__init__(host, every=limits.every, timeout=timeout, slots=DIAL_BACK_SLOTS)
+        self.gate = DialBackGate(limits)
+
+    def refusal(self, peer: ID, ip: str, cost: int) -> str | None:
+        return self.gate.admit(peer, ip, cost)
+
+    def finished(self, peer: ID, ip: str) -> None:
+        self.gate.release(peer, ip)
+
+
+class Relay(RelayHop):
+    """The relay with ``reservation_refusal``'s limits: ``limits.max_reservations`` slots, ``per_ip`` per IP."""
+
+    def __init__(self, host: IHost, limits: RelayLimits, allow_hop: bool, per_ip: int) -> None:
+        super().__init__(host, limits, allow_hop=allow_hop)
+        self.per_ip = per_ip
+
+    def refuse_reservation(self, peer: ID, ip: str | None, holders: Mapping[ID, str | None]) -> str | None:
+        return reservation_refusal(peer, ip, holders, self.limits.max_reservations, self.per_ip)
 
 
 class HolePunch(HolePuncher):
@@ -156,6 +330,7 @@ class ReachOptions:
     relay_circuit_bytes: int = SwarmSettings.relay_circuit_bytes
     relay_circuit_seconds: int = SwarmSettings.relay_circuit_seconds
     relay_circuits_per_peer: int = 16
+    relay_slots_per_ip: int = RELAY_SLOTS_PER_IP  # no [swarm] knob: loopback tests and labs set it here
     check_interval: float = SwarmSettings.reachability_interval
     provide_interval: float = SwarmSettings.provide_interval
     assume_public: bool = False  # trainer/bootstrap: serve as relays before the first verdict
@@ -185,9 +360,9 @@ class Reachability:
             max_reservations=options.relay_slots,
             reservation_ttl=600,
         )
-        self.hop = RelayHop(self.host, limits, allow_hop=options.relay)
+        self.hop = Relay(self.host, limits, allow_hop=options.relay, per_ip=options.relay_slots_per_ip)
         self.client = RelayClient(self.host, self.hop, RelayConfig(roles=RelayRole.STOP, limits=limits))
-        self.dialback = DialBack(self.host, every=DIAL_BACK_EVERY, timeout=DIAL_BACK_TIMEOUT)
+        self.dialback = DialBacks(self.host, DialBackLimits(), timeout=DIAL_BACK_TIMEOUT)
         self.punch = HolePunch(self.host)
         self.first_seen: dict[ID, str] = {}  # peer -> how the first connection to it was made
         self.relayed_since: dict[ID, float] = {}
@@ -454,10 +629,12 @@ class Reachability:
                 "peers": sorted(str(p) for p in self.punch.punched)[:64],  # every peer a punch ever connected us to
             },
             "relay_dials": self.relay_dials,
+            "dial_backs": {"dials": self.dialback.dials, "refused": self.dialback.gate.refused},
         }
         if self.options.relay:
             out["relay_service"] = {
                 "reservations": self.hop.reservations,
+                "reservations_refused": self.hop.refused,
                 "circuits": self.hop.circuits,
                 "bytes_relayed": self.hop.bytes_relayed,
             }

@@ -428,6 +428,20 @@ PATCHES: tuple[Patch, ...] = (
         _T + "test_stock_autonat_never_dials_a_node_listening_on_a_private_address",
     ),
     Patch(
+        "autonat-claimed-peer",
+        "the AutoNAT server dials back whatever peer id a request names, not the requester, and limits nothing",
+        "libp2p.host.autonat.autonat.AutoNATService.handle_stream, AutoNATService._handle_dial",
+        "node/libp2p/nat.py DialBack.handle_stream, DialBack.answer (node/reachability.py DialBacks: the limits)",
+        "tests/test_nat_limits.py::test_stock_autonat_dials_back_any_peer_id_a_request_names",
+    ),
+    Patch(
+        "relay-reserve-claimed-peer",
+        "circuit relay v2 books a RESERVE for the peer id the message names: one peer can take every slot",
+        "libp2p.relay.circuit_v2.protocol.CircuitV2Protocol._handle_reserve",
+        "node/libp2p/nat.py RelayHop._handle_reserve (node/reachability.py reservation_refusal decides)",
+        "tests/test_nat_limits.py::test_stock_relay_books_reservations_for_claimed_peer_ids",
+    ),
+    Patch(
         "relay-yamux-eof",
         "circuit relay v2 treats a yamux stream's EOF as an unexpected error: logged, retried with sleeps, raised",
         "libp2p.relay.circuit_v2.protocol.CircuitV2Protocol._read_stream_with_retry",
@@ -459,7 +473,9 @@ INTERNALS: tuple[tuple[str, str], ...] = (
     ("CircuitV2Transport._make_reservation, ._reservations", "nat.RelayClient.reserve_on"),
     ("RelayResourceManager._reservations", "nat.RelayHop.reservations"),
     ("DCUtRProtocol._hole_punch_attempts, ._in_progress, ._nursery", "nat.HolePuncher"),
-    ("AutoNATService._handle_dial", "nat.DialBack: one request per peer per interval"),
+    ("AutoNATService._observed_ip, autonat._is_relayed_stream", "nat.DialBack.handle_stream, nat.observed_ip"),
+    ("RelayResourceManager._clean_expired, ._is_peer_connected", "nat.RelayHop.holders"),
+    ("CircuitV2Protocol._send_status", "nat.RelayHop._handle_reserve: a refusal"),
     ("CircuitV2Protocol._handle_connect", "nat.RelayHop: counts circuits"),
     ("DCUtRProtocol._try_unilateral_upgrade, ._perform_hole_punch", "nat.HolePuncher: reports outcomes"),
 )
