@@ -139,6 +139,21 @@ class SwarmSettings:
     )
     relay_circuit_seconds: int = knob(300, "seconds one relayed circuit may live", parse=non_negative)
     reachability_interval: float = knob(60.0, "seconds between dial-back checks of this node's reachability")
+    max_inbound: int = knob(
+        250,
+        "inbound connections held at once; when all are taken the idlest one is closed for a newcomer",
+        parse=non_negative,
+    )
+    reserved_inbound: int = knob(
+        16,
+        "of those, slots only the bootstrap peers, the trainer and peers with accepted work may take",
+        parse=non_negative,
+    )
+    inbound_per_ip: int = knob(
+        8,
+        "inbound connections from one IP address (/64 for IPv6; 4x per /24, 8x per /16; loopback exempt; 0: no cap)",
+        parse=non_negative,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,6 +5,8 @@ The DHT does not add connected peers to its routing table by itself; ``feed_rout
 With ``reach`` options (every node the runtime starts), the swarm also learns whether it is reachable, relays
 for others, reserves relay slots when it is behind a NAT, and hole-punches relayed connections
 (node/reachability.py): ``connect`` then falls back to a relay when a direct dial fails.
+Every swarm has a connection manager (node/connmgr.py): per-address caps and idle pruning on inbound connections,
+slots reserved for the trusted peers and those a role values, keepalive, a cap on streams not yet negotiated.
 
 Imports point one way: this module uses reachability, which uses discovery; neither imports this one (they see
 a Swarm through the protocols ``Dialer`` and ``DhtNode``).
@@ -32,6 +34,7 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
+from node.connmgr import ConnLimits, ConnManager
 from node.errors import UserError
 from node.libp2p import install as install_libp2p
 from node.private import PeerGate
@@ -58,13 +61,20 @@ class Swarm:
     options, its reachability (which dials through this swarm: hence built here). ``open_swarm`` makes one."""
 
     def __init__(
-        self, host: IHost, dht: KadDHT, gossip: Gossip, gate: PeerGate, reach: ReachOptions | None = None
+        self,
+        host: IHost,
+        dht: KadDHT,
+        gossip: Gossip,
+        gate: PeerGate,
+        reach: ReachOptions | None = None,
+        conns: ConnManager | None = None,
     ) -> None:
         self.host = host
         self.dht = dht
         self.gossip = gossip
         self.gate = gate
         self.reach = Reachability(self, reach) if reach is not None else None
+        self.conns = conns or ConnManager(host)  # installed by open_swarm; a role may set_valued on it
 
     @property
     def peer_id(self) -> ID:
@@ -146,7 +156,7 @@ class Swarm:
         return direct if len(direct) >= 2 else peers
 
     def status(self) -> dict[str, Any]:
-        return self.reach.status() if self.reach is not None else {}
+        return {**(self.reach.status() if self.reach is not None else {}), "connmgr": self.conns.status()}
 
     async def feed_routing_table(self, interval: float) -> None:
         """Add every connected peer to the DHT routing table, forever (py-libp2p won't do it)."""
@@ -166,20 +176,25 @@ async def open_swarm(
     psk: str | None = None,
     allow: frozenset[ID] | None = None,
     reach: ReachOptions | None = None,
+    conns: ConnLimits | None = None,
 ) -> AsyncIterator[Swarm]:
     """A running host + DHT + gossip. ``psk`` makes the swarm private; ``allow`` admits only those peer ids;
-    ``reach`` turns on reachability checks, relaying and hole punching (node/reachability.py)."""
+    ``reach`` turns on reachability checks, relaying and hole punching (node/reachability.py); ``conns`` are the
+    connection manager's limits (node/connmgr.py; its defaults when None)."""
     host = build_host(key_pair, psk=psk)
     gate = PeerGate(allow)
     gate.install(host)
+    manager = ConnManager(host, conns)
+    manager.install()  # after the gate: its stream cap wraps the gate's entry
     try:
         run = host.run(listen_addrs=[listen])
     except Exception as exc:
         raise UserError(f"cannot listen on {listen}: {exc}") from None
     async with run:
         dht = KadDHT(host, DHTMode.SERVER, max_peers_per_subnet=0)
-        async with background_trio_service(dht), open_gossip(host) as gossip:
-            swarm = Swarm(host, dht, gossip, gate, reach)
+        async with background_trio_service(dht), open_gossip(host) as gossip, manager.running():
+            swarm = Swarm(host, dht, gossip, gate, reach, manager)
+            manager.protect(swarm.trusted)
             async with swarm.reach.running() if swarm.reach is not None else nullcontext():
                 yield swarm
 

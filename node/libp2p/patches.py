@@ -1,4 +1,4 @@
-"""Every py-libp2p 0.8.1 fix, in one table (``PATCHES``), and the five applied in place by ``apply()``.
+"""Every py-libp2p 0.8.1 fix, in one table (``PATCHES``), and the six applied in place by ``apply()``.
 
 ``PATCHES`` names each fix: the upstream bug (``upstream``), the library code it replaces or overrides
 (``target``), ours (``ours``), the test that reproduces the bug on stock code (``test``) and the report ready to
@@ -96,6 +96,14 @@ from any handler is logged and the stream reset; the node goes on. Cancellation 
 ``/ip4/../tcp/../p2p/R/p2p-circuit/p2p/B`` too: the swarm then dials the relay R expecting B, fails with a peer id
 mismatch and clears all of B's addresses. ``TCP.can_dial`` is wrapped to refuse circuit addresses; circuits are
 dialed by ``node.reachability.Reachability.dial_relayed`` through a ``nat.RelayClient`` only.
+
+6. inbound connections admitted with no say (issue 26, item 1a)
+---------------------------------------------------------------
+``Swarm._handle_inbound_connection`` (network/swarm.py l. 1947-1999) takes a limiter slot or closes the newcomer
+unanswered: idle connections of ~250 fresh identities lock every new peer out while they are held, and nothing caps
+one address. Replaced by ``node/libp2p/conns.py`` ``_handle_inbound_connection``: the same method asking the
+``Admission`` attached to the swarm (node/connmgr.py ``ConnManager``: per-address caps, pruning the idlest
+connection when the slots run out) before taking a slot; upstream's behaviour when none is attached.
 """
 
 from __future__ import annotations
@@ -122,6 +130,7 @@ from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH
 from libp2p.stream_muxer.yamux import yamux as _yamux
 from libp2p.transport.tcp.tcp import TCP
 
+from node.libp2p.conns import _handle_inbound_connection
 from node.libp2p.nat import is_relayed_addr
 from node.libp2p.version import check_version
 
@@ -414,6 +423,14 @@ PATCHES: tuple[Patch, ...] = (
         (_yamux, "MAX_MESSAGE_SIZE", NOISE_FIT_FRAME),
     ),
     Patch(
+        "inbound-no-admission",
+        "inbound connections get a slot or are closed: idle identities lock newcomers out, no per-address cap",
+        "libp2p.network.swarm.Swarm._handle_inbound_connection",
+        "node/libp2p/conns.py _handle_inbound_connection (node/connmgr.py ConnManager decides)",
+        "tests/test_connmgr.py::test_stock_idle_identities_lock_out_a_newcomer",
+        (Swarm, "_handle_inbound_connection", _handle_inbound_connection),
+    ),
+    Patch(
         "autonat-existing-connection",
         "the AutoNAT server dials back with host.connect, which reuses the connection the request came on",
         "libp2p.host.autonat.autonat.AutoNATService._try_dial",
@@ -477,6 +494,8 @@ INTERNALS: tuple[tuple[str, str], ...] = (
     ("RelayResourceManager._clean_expired, ._is_peer_connected", "nat.RelayHop.holders"),
     ("CircuitV2Protocol._send_status", "nat.RelayHop._handle_reserve: a refusal"),
     ("CircuitV2Protocol._handle_connect", "nat.RelayHop: counts circuits"),
+    ("Swarm._inbound_limiter, .common_stream_handler", "conns.attach_admission, conns.cap_unnegotiated"),
+    ("Yamux._ping_sent_time, ._ping_event", "conns.ping_state: node/connmgr.py closes connections gone silent"),
     ("DCUtRProtocol._try_unilateral_upgrade, ._perform_hole_punch", "nat.HolePuncher: reports outcomes"),
 )
 # the classes those overrides and reads belong to (a rename upstream fails an import here, not at run time)

@@ -1,0 +1,365 @@
+"""Who keeps an inbound connection when slots run short: the connection manager (issue 26, items 1a and 4).
+
+py-libp2p holds one of ``max_inbound`` slots per inbound connection until that connection ends, and closes any
+newcomer unanswered once they are taken: ~250 fresh identities holding idle TCP connections locked every new
+honest peer out for as long as they lived. The manager keeps the door open:
+
+- **per-address caps**: at most ``per_ip`` inbound connections (live or in their handshake) from one IPv4
+  address (IPv6: one /64), ``per_subnet`` from one /24 (/48), ``per_wide_subnet`` from one /16 (/32); addresses
+  in ``exempt`` (loopback: every process of a local swarm shares it) are not capped;
+- **idle pruning**: a newcomer that finds every slot taken closes the inbound connection idle the longest (no
+  stream open first, then one whose streams have not changed for ``busy_idle`` seconds), never one younger than
+  ``grace`` seconds, never a protected peer's, never an outbound one (we dialled it: we want it);
+- **reserved slots**: unprotected peers may hold at most ``max_inbound - reserved`` inbound connections; the
+  bootstrap peers and the trainer (``protect``) and the peers a role values (``set_valued``: the trainer feeds
+  "has an accepted record") may use them all;
+- **keepalive**: yamux pings every connection every 30 s; one whose last ping went out ``keepalive_timeout``
+  seconds ago unanswered (a peer gone without a FIN, or one that stopped reading) is dead and is closed (the
+  timeout is over 30 s: the next ping is being written while the last one's time still shows);
+- **un-negotiated streams**: a connection may have ``max_unnegotiated`` inbound streams waiting for protocol
+  negotiation at once; more are reset on arrival (2,000 such streams on one connection cost the honest swarm
+  ~20% of its throughput).
+
+The rules are pure functions over plain data (``Conn``, address counts), tested alone (tests/test_connmgr.py);
+``ConnManager`` feeds them from the live host and acts through node/libp2p/conns.py. Every limit is keyed on the
+connection's remote address and its authenticated peer id, never on anything a peer says.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+from libp2p.abc import IHost, INetConn, INetStream, INetwork, INotifee
+from libp2p.peer.id import ID
+from multiaddr import Multiaddr
+
+from node.config import SwarmSettings
+from node.libp2p import conns as mech
+
+log = logging.getLogger(__name__)
+
+ROOM_WAIT = 2.0  # seconds a newcomer waits for the slot of the connection closed for it
+CLOSE_WAIT = 3.0  # seconds one close may take before we stop waiting for it
+KEEPALIVE_CHECK = 5.0  # seconds between looks at every connection's pong
+
+
+@dataclass(frozen=True)
+class ConnLimits:
+    """The manager's knobs (node/config.py's max_inbound, reserved_inbound and inbound_per_ip: ``conn_limits``)."""
+
+    max_inbound: int = 250  # inbound connections held or in their handshake (py-libp2p's 300 - 50)
+    reserved: int = 16  # of those, slots only protected and valued peers may take
+    per_ip: int = 8  # one IPv4 address / IPv6 /64 (0: no cap)
+    per_subnet: int = 32  # one IPv4 /24 / IPv6 /48
+    per_wide_subnet: int = 64  # one IPv4 /16 / IPv6 /32
+    exempt: tuple[str, ...] = ("127.0.0.0/8", "::1/128")  # networks with no address caps
+    grace: float = 10.0  # seconds a new connection is never pruned (time to open its first streams)
+    busy_idle: float = 60.0  # seconds without a stream opening or closing before one with streams may go
+    keepalive_timeout: float = 45.0  # seconds since the last unanswered ping (sent every 30 s) before it is dead
+    max_unnegotiated: int = 32  # inbound streams of one connection waiting for protocol negotiation at once
+
+
+def conn_limits(settings: SwarmSettings) -> ConnLimits:
+    """The limits a node's ``[swarm]`` knobs name (the /24 and /16 caps are 4x and 8x the per-IP one)."""
+    per_ip = settings.inbound_per_ip
+    return ConnLimits(
+        max_inbound=settings.max_inbound,
+        reserved=min(settings.reserved_inbound, settings.max_inbound),
+        per_ip=per_ip,
+        per_subnet=4 * per_ip,
+        per_wide_subnet=8 * per_ip,
+    )
+
+
+# -- the rules -------------------------------------------------------------------------------------------------------
+
+_V4_PREFIXES = (32, 24, 16)
+_V6_PREFIXES = (64, 48, 32)
+
+
+def address_groups(ip: str | None, limits: ConnLimits) -> tuple[tuple[str, int], ...]:
+    """The (network, cap) pairs an inbound connection from ``ip`` counts against: its address, /24 and /16
+    (IPv6: /64, /48, /32). None for an unknown or exempt address (a relayed circuit has no IP of its own)."""
+    if ip is None:
+        return ()
+    try:
+        addr = ipaddress.ip_address(ip)
+    except ValueError:
+        return ()
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    if any(addr in ipaddress.ip_network(net) for net in limits.exempt):
+        return ()
+    prefixes = _V4_PREFIXES if addr.version == 4 else _V6_PREFIXES
+    caps = (limits.per_ip, limits.per_subnet, limits.per_wide_subnet)
+    return tuple(
+        (str(ipaddress.ip_network(f"{addr}/{p}", strict=False)), cap)
+        for p, cap in zip(prefixes, caps, strict=True)
+        if cap > 0
+    )
+
+
+def refuse_address(groups: Iterable[tuple[str, int]], held: Mapping[str, int]) -> str | None:
+    """Why one more inbound connection from these groups is refused, or None when each is under its cap."""
+    for net, cap in groups:
+        if held.get(net, 0) >= cap:
+            return f"{net} already holds {held[net]} inbound connections (cap {cap})"
+    return None
+
+
+@dataclass(frozen=True)
+class Conn:
+    """One live connection, as the rules see it."""
+
+    key: int
+    inbound: bool
+    protected: bool  # a bootstrap peer, the trainer, or a peer the role values
+    opened: float  # when it came up (trio clock)
+    last_active: float  # when a stream last opened or closed on it
+    streams: int  # streams open now
+
+
+def prune_order(conns: Sequence[Conn], now: float, limits: ConnLimits) -> list[int]:
+    """The inbound connections that may be closed to make room, the first to go first: those with no stream open,
+    idle the longest first, then those whose streams have not changed for ``busy_idle`` seconds. Never a protected
+    peer's, an outbound one, or one younger than ``grace``."""
+    ranked = []
+    for c in conns:
+        if not c.inbound or c.protected or now - c.opened < limits.grace:
+            continue
+        if c.streams and now - c.last_active < limits.busy_idle:
+            continue
+        ranked.append((c.streams > 0, c.last_active, c.opened, c.key))
+    return [key for *_, key in sorted(ranked)]
+
+
+def make_room(free: int, conns: Sequence[Conn], now: float, limits: ConnLimits) -> list[int]:
+    """Before a newcomer's handshake: nothing when a slot is free, else the one connection to close for it (none
+    when no connection may go: the newcomer is refused)."""
+    return [] if free > 0 else prune_order(conns, now, limits)[:1]
+
+
+@dataclass(frozen=True)
+class Admission:
+    admit: bool
+    evict: tuple[int, ...] = ()
+
+
+def admit_peer(newcomer: Conn, others: Sequence[Conn], now: float, limits: ConnLimits) -> Admission:
+    """After the handshake, when the peer is known: an unprotected inbound newcomer may take one of the
+    ``reserved`` slots only by pruning an unprotected connection; a protected one, or an outbound one, is in."""
+    if newcomer.protected or not newcomer.inbound:
+        return Admission(True)
+    unprotected = 1 + sum(1 for c in others if c.inbound and not c.protected)
+    excess = unprotected - max(0, limits.max_inbound - limits.reserved)
+    if excess <= 0:
+        return Admission(True)
+    victims = prune_order(others, now, limits)[:excess]
+    return Admission(True, tuple(victims)) if len(victims) == excess else Admission(False)
+
+
+def pong_overdue(sent_at: float, answered: bool, now: float, timeout: float) -> bool:
+    """A keepalive ping sent at ``sent_at`` (0: none yet) with no pong for more than ``timeout`` seconds."""
+    return sent_at > 0 and not answered and now - sent_at > timeout
+
+
+def refuse_stream(waiting: int, limits: ConnLimits) -> bool:
+    """A new inbound stream on a connection with ``waiting`` streams still negotiating their protocol."""
+    return waiting >= limits.max_unnegotiated
+
+
+# -- the manager -----------------------------------------------------------------------------------------------------
+
+
+class ConnManager(INotifee):
+    """Applies the rules to one host: install() before it listens, ``running()`` around its life."""
+
+    def __init__(self, host: IHost, limits: ConnLimits | None = None) -> None:
+        self.host = host
+        self.limits = limits or ConnLimits()
+        self.room_wait = ROOM_WAIT
+        self._network = host.get_network()
+        self._protected: frozenset[ID] = frozenset()
+        self._valued: Callable[[ID], bool] | None = None
+        self._held: dict[str, int] = {}  # address group -> inbound connections held or in their handshake
+        self._seen: dict[int, list[float]] = {}  # id(connection) -> [opened, last_active]
+        self._closing: set[int] = set()
+        self.counts: Counter[str] = Counter()
+
+    def install(self) -> None:
+        mech.attach_admission(self._network, self, self.limits.max_inbound)
+        mech.cap_unnegotiated(self._network, lambda waiting: refuse_stream(waiting, self.limits), self._refused_stream)
+        self._network.register_notifee(self)
+
+    # -- who is protected
+
+    def protect(self, peers: Iterable[ID]) -> None:
+        """Peers whose inbound connections are never pruned and may use the reserved slots (bootstrap, trainer)."""
+        self._protected = frozenset(peers)
+
+    def set_valued(self, valued: Callable[[ID], bool] | None) -> None:
+        """A role's say on who else is protected (the trainer: peers with an accepted record). Called often and
+        on the event loop: keep it a set lookup."""
+        self._valued = valued
+
+    def is_protected(self, peer: ID) -> bool:
+        if peer in self._protected:
+            return True
+        try:
+            return bool(self._valued and self._valued(peer))
+        except Exception as exc:  # a role's bug must not open or close the door
+            log.debug("valued(%s) failed: %s", peer, exc)
+            return False
+
+    # -- the inbound hook (node/libp2p/conns.py calls these before and after taking a slot)
+
+    def reserve(self, ip: str | None) -> bool:
+        groups = address_groups(ip, self.limits)
+        why = refuse_address(groups, self._held)
+        if why is not None:
+            self.counts["refused_address"] += 1
+            log.log(logging.INFO if self.counts["refused_address"] == 1 else logging.DEBUG, "refusing %s: %s", ip, why)
+            return False
+        for net, _ in groups:
+            self._held[net] = self._held.get(net, 0) + 1
+        return True
+
+    def release(self, ip: str | None) -> None:
+        for net, _ in address_groups(ip, self.limits):
+            left = self._held.get(net, 0) - 1
+            if left > 0:
+                self._held[net] = left
+            else:
+                self._held.pop(net, None)
+
+    async def make_room(self) -> bool:
+        now = trio.current_time()
+        victims = make_room(0, self._view(now), now, self.limits)
+        if not victims:
+            self.counts["refused_full"] += 1
+            log.log(logging.WARNING if self.counts["refused_full"] == 1 else logging.DEBUG,
+                    "every inbound slot is held by a connection that may not go; newcomer refused")  # fmt: skip
+            return False
+        await self._evict(victims, "to make room for a newcomer")
+        return True
+
+    # -- notifications
+
+    async def connected(self, network: INetwork, conn: INetConn) -> None:
+        now = trio.current_time()
+        self._seen[id(conn)] = [now, now]
+        if not mech.is_inbound(conn):
+            return
+        newcomer = self._conn(conn, now)
+        others = [c for c in self._view(now) if c.key != newcomer.key]
+        verdict = admit_peer(newcomer, others, now, self.limits)
+        if verdict.evict:
+            await self._evict(verdict.evict, "for a newcomer beyond the unreserved slots")
+        if not verdict.admit:
+            self.counts["refused_reserve"] += 1
+            log.debug("closing %s: the unreserved inbound slots are held and none may go", conn.muxed_conn.peer_id)
+            await _close(conn)
+
+    async def disconnected(self, network: INetwork, conn: INetConn) -> None:
+        self._seen.pop(id(conn), None)
+
+    async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
+        self._touch(stream)
+
+    async def closed_stream(self, network: INetwork, stream: INetStream) -> None:
+        self._touch(stream)
+
+    async def listen(self, network: INetwork, multiaddr: Multiaddr) -> None:
+        pass
+
+    async def listen_close(self, network: INetwork, multiaddr: Multiaddr) -> None:
+        pass
+
+    # -- keepalive
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[ConnManager]:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._keepalive)
+            try:
+                yield self
+            finally:
+                nursery.cancel_scope.cancel()
+
+    async def _keepalive(self) -> None:
+        while True:
+            await trio.sleep(KEEPALIVE_CHECK)
+            now = trio.current_time()
+            live = list(self._network.get_connections())
+            for key in self._seen.keys() - {id(c) for c in live}:  # bounded: only live connections are kept
+                del self._seen[key]
+            for conn in live:
+                sent_at, answered = mech.ping_state(conn)
+                if id(conn) in self._closing:
+                    continue
+                if pong_overdue(sent_at, answered, now, self.limits.keepalive_timeout):
+                    self.counts["dead"] += 1
+                    log.info("closing %s: no pong for %.0f s", conn.muxed_conn.peer_id, now - sent_at)
+                    self._closing.add(id(conn))
+                    try:
+                        await _close(conn)
+                    finally:
+                        self._closing.discard(id(conn))
+
+    def status(self) -> dict[str, Any]:
+        inbound = [c for c in self._network.get_connections() if mech.is_inbound(c)]
+        return {"inbound": len(inbound), **{k: v for k, v in sorted(self.counts.items())}}
+
+    # -- helpers
+
+    def _touch(self, stream: INetStream) -> None:
+        seen = self._seen.get(id(getattr(stream, "swarm_conn", None)))
+        if seen is not None:
+            seen[1] = trio.current_time()
+
+    def _conn(self, conn: INetConn, now: float) -> Conn:
+        opened, last = self._seen.setdefault(id(conn), [now, now])
+        return Conn(
+            key=id(conn),
+            inbound=mech.is_inbound(conn),
+            protected=self.is_protected(conn.muxed_conn.peer_id),
+            opened=opened,
+            last_active=last,
+            streams=len(conn.get_streams()),
+        )
+
+    def _view(self, now: float) -> list[Conn]:
+        return [self._conn(c, now) for c in self._network.get_connections() if id(c) not in self._closing]
+
+    async def _evict(self, keys: Iterable[int], why: str) -> None:
+        by_key = {id(c): c for c in self._network.get_connections()}
+        victims = [by_key[k] for k in keys if k in by_key and k not in self._closing]
+        self._closing.update(id(c) for c in victims)
+        try:
+            for conn in victims:
+                self.counts["pruned"] += 1
+                log.debug("closing the idle inbound connection of %s %s", conn.muxed_conn.peer_id, why)
+                await _close(conn)
+        finally:
+            self._closing.difference_update(id(c) for c in victims)
+
+    def _refused_stream(self, peer: ID) -> None:
+        self.counts["streams_refused"] += 1
+        if self.counts["streams_refused"] == 1:
+            log.info("%s opened more than %d streams at once without negotiating a protocol; resetting the rest",
+                     peer, self.limits.max_unnegotiated)  # fmt: skip
+
+
+async def _close(conn: INetConn) -> None:
+    with trio.move_on_after(CLOSE_WAIT):
+        try:
+            await conn.close()
+        except Exception as exc:
+            log.debug("closing %s failed: %s", conn.muxed_conn.peer_id, exc)

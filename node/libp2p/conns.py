@@ -1,0 +1,175 @@
+"""Connection admission in py-libp2p 0.8.1: the hooks node/connmgr.py's ``ConnManager`` acts through.
+
+- patch ``inbound-no-admission`` (``_handle_inbound_connection``): upstream's ``Swarm._handle_inbound_connection``
+  (network/swarm.py l. 1947-1999) takes one of ``_inbound_limiter``'s slots for every accepted TCP connection and
+  closes the socket unanswered when none is free. Nothing frees a slot but the end of the connection holding it
+  (patch ``inbound-slots-held`` made that happen at all), and nothing caps how many come from one address: idle
+  connections of any identities lock newcomers out for as long as they are held. Ours is upstream's method with
+  an ``Admission`` asked first when one is attached to the swarm (``attach_admission``): it may refuse the
+  address, and when every slot is taken it may close a connection it picks and let the newcomer wait briefly for
+  that slot. With none attached it does what upstream does.
+- ``cap_unnegotiated``: wraps the swarm's entry for inbound streams (after the allow-list gate, if any) so a
+  connection's streams still negotiating their protocol are counted, and one over the cap is reset on arrival
+  (py-libp2p bounds concurrent negotiations only for QUIC; each waits up to 10 s for a peer that never speaks).
+- ``ping_state``: yamux's keepalive (a ping every 30 s, ``Yamux._measure_rtt_loop``) never acts on a missing
+  pong; this reads when the last ping went out and whether it was answered.
+- ``is_inbound``, ``remote_ip``: a connection's direction and the IP of its transport's remote end.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import trio
+from libp2p.abc import INetConn, INetStream, INetwork
+from libp2p.metrics.swarm import SwarmEvent
+from libp2p.network.swarm import Swarm
+from libp2p.peer.id import ID
+from libp2p.rcmgr import Direction
+
+log = logging.getLogger(__name__)
+
+_ATTR = "_swarmrl_admission"
+
+
+class Admission(Protocol):
+    """What the patched inbound handler asks (node/connmgr.py ``ConnManager``)."""
+
+    room_wait: float  # seconds a newcomer waits for the slot of a connection closed for it
+
+    def reserve(self, ip: str | None) -> bool: ...  # False: refuse this address; True: counted until release()
+
+    def release(self, ip: str | None) -> None: ...
+
+    async def make_room(self) -> bool: ...  # close a connection so a slot frees up; False: none may go
+
+
+def attach_admission(network: INetwork, admission: Admission, max_inbound: int) -> None:
+    """Ask ``admission`` about every inbound connection of this swarm, and hold at most ``max_inbound``."""
+    swarm: Any = network
+    limiter: trio.CapacityLimiter = swarm._inbound_limiter
+    limiter.total_tokens = max(1, max_inbound)
+    setattr(swarm, _ATTR, admission)
+
+
+class _Upstream:
+    """Upstream behaviour when no admission is attached: a slot if one is free, else refused."""
+
+    room_wait = 0.0
+
+    def reserve(self, ip: str | None) -> bool:
+        return True
+
+    def release(self, ip: str | None) -> None:
+        pass
+
+    async def make_room(self) -> bool:
+        return False
+
+
+_UPSTREAM = _Upstream()
+
+
+async def _handle_inbound_connection(self: Swarm, read_write_closer: Any, maddr: Any) -> None:
+    """Upstream's method (swarm.py l. 1947-1999) with the attached admission asked before a slot is taken."""
+    if self.metric_send_channel is not None:
+        incoming = SwarmEvent()
+        incoming.conn_incoming = True
+        await self.metric_send_channel.send(incoming)
+    admission: Admission = getattr(self, _ATTR, None) or _UPSTREAM
+    ip = remote_ip(read_write_closer)
+    if not admission.reserve(ip):
+        await _close_quietly(read_write_closer)
+        return
+    try:
+        if not await _take_slot(self._inbound_limiter, admission):
+            log.debug("inbound connection cap (%d) reached; refusing %s", int(self._inbound_limiter.total_tokens), ip)
+            await _close_quietly(read_write_closer)
+            return
+        try:
+            await self._do_handle_inbound_connection(read_write_closer, maddr, SwarmEvent())
+        finally:
+            self._inbound_limiter.release()
+    finally:
+        admission.release(ip)
+
+
+async def _take_slot(limiter: trio.CapacityLimiter, admission: Admission) -> bool:
+    try:
+        limiter.acquire_nowait()  # no checkpoint between the check and the take
+        return True
+    except trio.WouldBlock:
+        pass
+    if not await admission.make_room():
+        return False
+    with trio.move_on_after(admission.room_wait):
+        await limiter.acquire()
+        return True
+    return False
+
+
+async def _close_quietly(read_write_closer: Any) -> None:
+    try:
+        await read_write_closer.close()
+    except Exception:
+        pass
+
+
+def cap_unnegotiated(network: INetwork, refuse: Callable[[int], bool], refused: Callable[[ID], None]) -> None:
+    """Reset an inbound stream on arrival when ``refuse(n)`` says so, n being the streams of its connection still
+    negotiating a protocol. Wraps whatever entry the swarm has now (install the allow-list gate first)."""
+    swarm: Any = network
+    inner = swarm.common_stream_handler
+    waiting: dict[int, set[INetStream]] = {}  # id(muxed connection) -> its streams not yet negotiated
+
+    async def capped(stream: INetStream) -> None:
+        key = id(stream.muxed_conn)
+        pending = waiting.get(key)
+        if pending is None:
+            pending = waiting[key] = set()
+        else:  # negotiated since the last arrival: no longer counted
+            pending.difference_update([s for s in pending if s.get_protocol() is not None])
+        if refuse(len(pending)):
+            refused(stream.muxed_conn.peer_id)
+            try:
+                await stream.reset()
+            except Exception:
+                pass
+            return
+        pending.add(stream)
+        try:
+            await inner(stream)
+        finally:
+            pending.discard(stream)
+            if not pending and waiting.get(key) is pending:
+                del waiting[key]
+
+    network.set_stream_handler(capped)
+
+
+def ping_state(conn: INetConn) -> tuple[float, bool]:
+    """(trio time the last keepalive ping went out, 0 if none; whether its pong came) of a yamux connection;
+    (0, True) for a muxer without one."""
+    muxed: Any = conn.muxed_conn
+    sent_at = getattr(muxed, "_ping_sent_time", 0.0)
+    event = getattr(muxed, "_ping_event", None)
+    if not isinstance(sent_at, float) or not isinstance(event, trio.Event):
+        return 0.0, True
+    return sent_at, event.is_set()
+
+
+def is_inbound(conn: INetConn) -> bool:
+    return getattr(conn, "direction", None) == Direction.INBOUND
+
+
+def remote_ip(obj: Any) -> str | None:
+    """The IP of the remote end of a raw, secured or muxed connection, or None (a relayed circuit, a pipe)."""
+    try:
+        remote = obj.get_remote_address()
+        ip = remote[0] if remote else None
+        return str(ipaddress.ip_address(ip)) if ip else None
+    except Exception:
+        return None
