@@ -6,9 +6,12 @@ errors get an error reply, anything else is logged and the stream is reset. What
 before any work is done for it, in this order:
 
 1. ``admit(peer)`` runs when the stream opens, before a byte is read (rate limits, bans): a flood costs a lookup;
+   ``peer`` is a ``Remote``: the authenticated peer id, with the IP its connection comes from;
 2. at most ``streams_per_peer`` streams of one protocol from one peer are served at once (the rest: "busy");
-3. the frame's announced length must fit the message type's limit, and a process-wide ``FrameBudget`` of bytes
-   being received: a frame is refused ("busy") rather than buffered when the budget is spent;
+3. the frame's announced length must fit the message type's limit, and the ``FrameBudget`` must have room for it
+   now; its body's bytes are then reserved as they arrive (never on the announced length: a header costs
+   nothing to send, so 40 identities announcing 1 MiB frames and sending nothing once held a process-wide
+   256 MiB), within caps per peer, per protocol and in all: a frame over any of them is refused ("busy");
 4. the body must arrive at ``min_rate`` bytes/s or better (plus a grace period): a slow-loris stream is cut;
 5. a body of more than ``OFFLOAD_BYTES`` is decoded in a worker thread (the event loop keeps serving), with a cap
    on maps and arrays per message (protocols/framing.py).
@@ -21,13 +24,14 @@ a multistream negotiation through Noise, which in a swarm of polls and small chu
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 from libp2p.abc import IHost, INetStream
+from libp2p.connection_types import ConnectionType
 from libp2p.network.stream.exceptions import StreamClosed, StreamEOF, StreamReset
 from libp2p.peer.id import ID
 from libp2p.stream_muxer.exceptions import MuxedConnUnavailable, MuxedStreamError
@@ -74,20 +78,64 @@ class Busy(ProtocolError):
 
 @dataclass
 class FrameBudget:
-    """Bytes of request frames being received at once, across every stream of this process."""
+    """Bytes of request frames held in memory while they arrive: in all, per protocol and per peer (over all its
+    streams and protocols), so that neither one peer nor one protocol can spend what the others need. A peer's
+    cap fits the largest request frame of any protocol (rollouts: 8 MiB), so one whole frame always fits."""
 
-    limit: int = 256 << 20
+    total: int = 256 << 20
+    per_protocol: int = 128 << 20
+    per_peer: int = 16 << 20
     used: int = 0
+    by_protocol: dict[str, int] = field(default_factory=dict)
+    by_peer: dict[ID, int] = field(default_factory=dict)
+
+    def refusal(self, protocol: str, peer: ID, n: int) -> str | None:
+        """Why ``n`` more bytes from ``peer`` on ``protocol`` cannot be held now; None when they can."""
+        if self.by_peer.get(peer, 0) + n > self.per_peer:
+            return f"{self.by_peer.get(peer, 0) >> 10} KiB of this peer's requests are arriving already"
+        if self.by_protocol.get(protocol, 0) + n > self.per_protocol:
+            return f"{self.by_protocol.get(protocol, 0) >> 20} MiB of {protocol} requests are arriving already"
+        if self.used + n > self.total:
+            return f"{self.used >> 20} MiB of requests are arriving already"
+        return None
+
+    def take(self, protocol: str, peer: ID, n: int) -> None:
+        """Hold ``n`` bytes, or raise Busy (holding nothing) when a cap has no room for them."""
+        why = self.refusal(protocol, peer, n)
+        if why is not None:
+            raise Busy(f"{why}; retry shortly")
+        self._add(protocol, peer, n)
+
+    def give(self, protocol: str, peer: ID, n: int) -> None:
+        self._add(protocol, peer, -n)
+
+    def _add(self, protocol: str, peer: ID, n: int) -> None:
+        if not n:
+            return
+        self.used += n
+        for book, key in ((self.by_protocol, protocol), (self.by_peer, peer)):
+            left = book.get(key, 0) + n
+            if left:
+                book[key] = left
+            else:
+                del book[key]  # an idle peer leaves nothing behind
 
     @contextmanager
-    def reserve(self, n: int):
-        if self.used + n > self.limit:
-            raise Busy(f"{self.used >> 20} MiB of requests are arriving already; retry shortly")
-        self.used += n
+    def claim(self, protocol: str, peer: ID) -> Iterator[Callable[[int], None]]:
+        """A meter for one frame: call it with each ``n`` bytes that arrived (it raises Busy when a cap has no
+        room for them); what it holds is given back when the block ends."""
+        held = 0
+
+        def meter(n: int) -> None:
+            nonlocal held
+            self.take(protocol, peer, n)
+            held += n
+
         try:
-            yield
+            yield meter
         finally:
-            self.used -= n
+            if held:
+                self.give(protocol, peer, held)
 
 
 BUDGET = FrameBudget()
@@ -111,6 +159,28 @@ class StreamCaps:
             self.active[peer] -= 1
             if not self.active[peer]:
                 del self.active[peer]
+
+
+class Remote(ID):
+    """A stream's authenticated peer (its connection's peer id, never an id a message names), with the IP that
+    connection comes from (None: relayed through another peer, or unknown). It is that peer's ID in every respect
+    (equal, hashed and printed alike), so what keys on the peer is unchanged, and what limits per IP finds it here."""
+
+    def __init__(self, peer: ID, ip: str | None) -> None:
+        super().__init__(peer.to_bytes())
+        self.ip = ip
+
+    @classmethod
+    def of(cls, stream: INetStream) -> Remote:
+        conn = stream.muxed_conn
+        ip = None
+        try:
+            if conn.get_connection_type() != ConnectionType.RELAYED:  # a relayed peer's address is its relay's
+                address = stream.get_remote_address()
+                ip = address[0] if address else None
+        except Exception:  # a transport that cannot say: no IP, the peer id still keys every limit
+            pass
+        return cls(conn.peer_id, ip)
 
 
 async def decode(body: bytes | bytearray, max_size: int, max_containers: int) -> dict[str, Any]:
@@ -143,7 +213,7 @@ def serve(
     caps = StreamCaps(streams_per_peer)
 
     async def on_stream(stream: INetStream) -> None:
-        remote = stream.muxed_conn.peer_id
+        remote = Remote.of(stream)
         try:
             with caps.hold(remote):
                 reader = FrameReader(stream)
@@ -164,8 +234,10 @@ def serve(
                         try:
                             if admit is not None:
                                 admit(remote)
-                            with budget.reserve(length), trio.fail_after(10.0 + length / min_rate):
-                                body = await reader.read_exactly(length)
+                            if (why := budget.refusal(name, remote, length)) is not None:
+                                raise Busy(f"{why}; retry shortly")  # would not fit now: refused before its body
+                            with budget.claim(name, remote) as meter, trio.fail_after(10.0 + length / min_rate):
+                                body = await reader.read_exactly(length, meter)
                             message = await decode(body, max_request, max_containers)
                             del body
                             reply = await handler(message, remote)

@@ -12,6 +12,7 @@ bomb"); each message type passes the count its largest honest instance needs.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import msgpack
@@ -121,8 +122,13 @@ class FrameReader:
             raise FrameTooLarge(f"peer announced a {length} B frame; the limit is {max_size} B")
         return length
 
-    async def read_exactly(self, length: int) -> bytes | bytearray:
-        """``length`` bytes; a large body is read straight into one buffer of its size (one copy, not three)."""
+    async def read_exactly(self, length: int, meter: Callable[[int], None] | None = None) -> bytes | bytearray:
+        """``length`` bytes. Unmetered (a reply we asked for), a large body is read straight into one buffer of
+        its size (one copy, not three). Metered (a request: an announced length is only a claim), the body grows
+        as bytes arrive, and ``meter(n)`` is told of each ``n`` bytes read before they are kept: it raises to
+        refuse them. A header alone holds nothing."""
+        if meter is not None:
+            return await self._read_metered(length, meter)
         if self._buf or length < READ_CHUNK:
             await self._fill(length)
             return self._take(length)
@@ -140,6 +146,23 @@ class FrameReader:
                 raise PeerClosed(f"stream ended after {pos} of {length} bytes")
             view[pos : pos + len(data)] = data
             pos += len(data)
+        return out
+
+    async def _read_metered(self, length: int, meter: Callable[[int], None]) -> bytearray:
+        from libp2p.network.stream.exceptions import StreamError
+
+        kept = min(len(self._buf), length)
+        meter(kept)
+        out = bytearray(self._take(kept))
+        while len(out) < length:
+            try:
+                data = await self._stream.read(min(READ_CHUNK, length - len(out)))
+            except StreamError as exc:
+                raise PeerClosed(f"stream ended after {len(out)} of {length} bytes ({type(exc).__name__})") from None
+            if not data:
+                raise PeerClosed(f"stream ended after {len(out)} of {length} bytes")
+            meter(len(data))  # may refuse them: they are dropped, and the frame with them
+            out += data
         return out
 
     async def read_body(self, max_size: int) -> bytes | bytearray:

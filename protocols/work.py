@@ -13,6 +13,11 @@ from protocols import WIRE_VERSION
 from protocols import schema as s
 
 PROTOCOL_ID = "/swarmrl/work/1.0.0"
+# a work request is ~100 B (max_groups and a SamplerReport of two integers and a 32-character engine name): 4 KiB
+# leaves room for new optional fields, and a stream that announces more is refused before its body is read
+MAX_REQUEST_FRAME = 4 << 10
+MAX_REQUEST_CONTAINERS = 4  # the request map and its report
+# a lease of MAX_GROUPS_PER_LEASE prompts is what needs room: the reply limit (the sampler reads leases with it)
 MAX_FRAME = 1 << 20
 MAX_GROUPS_PER_LEASE = 64
 MAX_PROMPT_TOKENS = 4096

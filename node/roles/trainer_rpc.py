@@ -32,7 +32,17 @@ def serve_trainer(
 ) -> None:
     """Serve work leases and rollout groups; a group's frame may be as large as ``group_size`` completions of
     ``max_tokens`` tokens with their draws, and no larger."""
-    host.set_stream_handler(work.PROTOCOL_ID, serve("work", on_work, work.MAX_FRAME, work.MAX_FRAME, admit=admit_work))
+    host.set_stream_handler(
+        work.PROTOCOL_ID,
+        serve(
+            "work",
+            on_work,
+            work.MAX_REQUEST_FRAME,
+            work.MAX_FRAME,
+            admit=admit_work,
+            max_containers=work.MAX_REQUEST_CONTAINERS,
+        ),
+    )
     host.set_stream_handler(
         rollouts.PROTOCOL_ID,
         serve(
@@ -56,7 +66,12 @@ class TrainerClient:
 
     async def lease(self, trainer: ID, req: WorkRequest) -> WorkLease:
         reply = await request(
-            self.host, trainer, work.PROTOCOL_ID, req.to_wire(), max_request=work.MAX_FRAME, max_reply=work.MAX_FRAME
+            self.host,
+            trainer,
+            work.PROTOCOL_ID,
+            req.to_wire(),
+            max_request=work.MAX_REQUEST_FRAME,
+            max_reply=work.MAX_FRAME,
         )
         return WorkLease.from_wire(reply)
 
