@@ -26,7 +26,7 @@ from node.intake.journal import RolloutJournal
 from node.intake.leases import LeaseBook
 from node.intake.ledger import Ledger
 from node.intake.verify import Forged, Rejected, RolloutVerifier, ScoreFn
-from node.ratelimit import PeerRateLimiter
+from node.ratelimit import PeerRateLimiter, ip_key, shares, take_all
 from node.rpc import Busy
 from node.settings import TrainerSettings
 from node.strikes import Strikes
@@ -40,6 +40,18 @@ log = logging.getLogger(__name__)
 
 MAX_PEERS_TRACKED = 10_000
 NEWCOMERS = "(newcomers)"  # the one bucket every peer without a record draws from
+# the most of the newcomer budgets one identity, and one IP (an IPv6 /64), may take: fresh identities are free, so
+# one that drains the budget, or an attacker rotating through identities, leaves the others their share
+NEWCOMER_PEER_SHARE = 0.5
+NEWCOMER_IP_SHARE = 0.25
+NEWCOMER_WORK_PER_IP = 2  # newcomers at one IP together may ask for as many leases as this many peers
+
+
+def per_ip(limiter: PeerRateLimiter, ip: str | None) -> list[tuple[PeerRateLimiter, str]]:
+    """The draw on ``limiter`` for this IP's share, if a per-IP limit applies to it (not loopback nor an unknown
+    or relayed peer's: ``ip_key``)."""
+    where = ip_key(ip)
+    return [] if where is None else [(limiter, where)]
 
 
 class Banned(ProtocolError):
@@ -87,6 +99,11 @@ class RolloutIntake:
         self.work_limit = PeerRateLimiter(s.work_rate, s.work_burst)
         self.rollout_limit = PeerRateLimiter(s.rollout_rate, s.rollout_burst)
         self.newcomer_limit = PeerRateLimiter(s.newcomer_rate, 4 * s.newcomer_rate)
+        self.newcomer_peer_limit = shares(self.newcomer_limit, NEWCOMER_PEER_SHARE)
+        self.newcomer_ip_limit = shares(self.newcomer_limit, NEWCOMER_IP_SHARE)
+        self.newcomer_work_ip_limit = PeerRateLimiter(
+            NEWCOMER_WORK_PER_IP * s.work_rate, NEWCOMER_WORK_PER_IP * s.work_burst
+        )
         self.journal = RolloutJournal(journal_dir)
         self.buffer = RolloutBuffer(s.max_buffered)
         self.ledger = Ledger()
@@ -100,11 +117,16 @@ class RolloutIntake:
         self._arrived = trio.Event()
 
     # -- work --------------------------------------------------------------------------------------------
-    def admit_work(self, peer: str) -> None:
-        """When a work stream opens, before anything is read: banned peers, floods and lease hoarders stop here."""
+    def admit_work(self, peer: str, ip: str | None = None) -> None:
+        """When a work stream opens, before anything is read: banned peers, floods and lease hoarders stop here.
+        Peers without a record at one IP together ask for leases at most as fast as ``NEWCOMER_WORK_PER_IP``
+        peers: identities rotated through from one place to hoard leases are bounded, and nobody elsewhere is."""
         if self.strikes.is_banned(peer):
             raise Banned("this peer is banned for forged rollouts")
-        self.work_limit.take(peer)
+        draws = [(self.work_limit, peer)]
+        if self.is_newcomer(peer):
+            draws += per_ip(self.newcomer_work_ip_limit, ip)
+        take_all(draws)
         held = self.leases.open_leases(peer)
         if held >= self.settings.max_open_leases:
             raise Busy(f"this peer holds {held} open leases: send their groups first", retry_after=5.0)
@@ -113,15 +135,19 @@ class RolloutIntake:
         accepted_groups = self.ledger.accepted_by_peer.get(peer, 0) // max(1, self.settings.group_size)
         return accepted_groups < self.settings.trusted_after
 
-    def admit_rollouts(self, peer: str) -> None:
+    def admit_rollouts(self, peer: str, ip: str | None = None) -> None:
         """When a rollout stream opens, before anything is read or decoded: a flood costs only this. Peers without
         a record of accepted groups also share one newcomer budget: each verification costs a forward pass, and
-        fresh identities are free, so their total is what is bounded, not each one's."""
+        fresh identities are free, so their total is what is bounded, not each one's. One identity, and one IP,
+        may take only a share of it, so neither a greedy newcomer nor identities rotated through from one place
+        can drain it: a new honest sampler elsewhere still gets its first groups checked."""
         if self.strikes.is_banned(peer):
             raise Banned("this peer is banned for forged rollouts")
-        self.rollout_limit.take(peer)
+        draws = [(self.rollout_limit, peer)]
         if self.is_newcomer(peer):
-            self.newcomer_limit.take(NEWCOMERS)
+            draws += [(self.newcomer_limit, NEWCOMERS), (self.newcomer_peer_limit, peer)]
+            draws += per_ip(self.newcomer_ip_limit, ip)
+        take_all(draws)
 
     def lease(self, req: WorkRequest, peer: str, version: int) -> WorkLease:
         """Prompts for ``peer`` (admitted by ``admit_work`` when its stream opened)."""
