@@ -5,7 +5,7 @@ items 1b and 1c): the pure rules (node/reachability.py), py-libp2p's bugs on sto
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager, suppress
+from contextlib import AsyncExitStack, asynccontextmanager, suppress
 
 import multiaddr
 import trio
@@ -321,3 +321,32 @@ async def test_made_up_requester_ids_cost_the_node_nothing_and_honest_dial_backs
                 attack_dials = [a for a in dialed if any(a.endswith(f"/tcp/{p}") for p in ports)]
                 assert len(attack_dials) <= 4 and accepted[0] <= 4, (attack_dials, accepted)
                 assert all(a.startswith("/ip4/127.0.0.1/") for a in dialed), dialed
+
+
+async def test_identities_at_one_ip_get_a_bounded_share_of_dial_backs_and_prompt_refusals():
+    """Sybils: 10 identities at one IP, each asking at once to be dialed back at 4 silent ports. The node takes 2
+    of the requests (``DIAL_BACKS_PER_IP``), so dials at most their 8 addresses, and refuses the other 8 at once,
+    saying why. On the old code all 10 queued behind its 4 dial slots: 40 dials, nothing refused."""
+    sybils = [build_host(create_new_key_pair()) for _ in range(10)]
+    refusals: list[str] = []
+    with trio.fail_after(120 * slowdown()):
+        async with open_swarm(create_new_key_pair(), LOOP, reach=ReachOptions(swarm_name="t")) as server:
+            async with AsyncExitStack() as stack:
+                for sybil in sybils:
+                    await stack.enter_async_context(sybil.run([]))
+                ports, accepted = await stack.enter_async_context(silent_ports(4))
+                for sybil in sybils:
+                    await sybil.connect(PeerInfo(server.peer_id, server.addrs()))
+
+                async def ask(sybil) -> None:
+                    reply = await ask_dial_back(sybil, server.peer_id, sybil.get_id().to_bytes(), dial_request(ports))
+                    if reply.dialResponse.status == Message.E_DIAL_REFUSED:
+                        refusals.append(reply.dialResponse.statusText)
+
+                async with trio.open_nursery() as nursery:
+                    for sybil in sybils:
+                        nursery.start_soon(ask, sybil)
+                    await wait_until(lambda: len(refusals) >= 8, 8, what="8 requests refused at once")
+                    nursery.cancel_scope.cancel()
+                assert all("your IP" in text for text in refusals), refusals
+                assert accepted[0] <= 8, accepted
