@@ -21,7 +21,7 @@ from typing import Any
 import trio
 
 from node.errors import UserError
-from node.intake.buffer import RolloutBuffer, take_batch
+from node.intake.buffer import RolloutBuffer, fate, take_batch
 from node.intake.journal import RolloutJournal
 from node.intake.leases import LeaseBook
 from node.intake.ledger import Ledger
@@ -39,6 +39,8 @@ from trainer.tasks import Task
 log = logging.getLogger(__name__)
 
 MAX_PEERS_TRACKED = 10_000
+COMPACT_EVERY = 60.0  # seconds between looks at the journal's growth (``compact_forever``)
+COMPACT_AFTER = 256  # groups journaled since the last compaction or checkpoint before the journal is compacted
 NEWCOMERS = "(newcomers)"  # the one bucket every peer without a record draws from
 # the most of the newcomer budgets one identity, and one IP (an IPv6 /64), may take: fresh identities are free, so
 # one that drains the budget, or an attacker rotating through identities, leaves the others their share
@@ -115,6 +117,11 @@ class RolloutIntake:
         self.first_accepted_at: float | None = None  # monotonic time of the first group: the trainer's work starts
         self._checking: dict[tuple[str, str, int], trio.Event] = {}  # submissions being checked, by peer/lease/seed
         self._arrived = trio.Event()
+        self._batch: list[Group] = []  # the groups taken for the batch being assembled or trained
+        self._trained_ids: set[str] = set()  # groups trained since the last checkpoint cut (a restart retrains them)
+        self._base_epoch = 0  # the journal segment the checkpoint on disk names
+        self._cutting = False  # a checkpoint is being cut: no compaction meanwhile
+        self._compacted_at = 0  # journal appends at the last compaction or checkpoint
 
     # -- work --------------------------------------------------------------------------------------------
     def admit_work(self, peer: str, ip: str | None = None) -> None:
@@ -150,8 +157,13 @@ class RolloutIntake:
         take_all(draws)
 
     def lease(self, req: WorkRequest, peer: str, version: int) -> WorkLease:
-        """Prompts for ``peer`` (admitted by ``admit_work`` when its stream opened)."""
-        return self.leases.issue(peer, min(req.max_groups, self.settings.groups_per_lease), version)
+        """Prompts for ``peer`` (admitted by ``admit_work`` when its stream opened), unless it leaves far more of
+        its seeds unreturned than the swarm does, or it is a newcomer and the newcomers' lease pool is out."""
+        newcomer = self.is_newcomer(peer)
+        refused = self.leases.refusal(peer, newcomer)
+        if refused is not None:
+            raise Busy(refused[0], retry_after=refused[1])
+        return self.leases.issue(peer, min(req.max_groups, self.settings.groups_per_lease), version, newcomer)
 
     # -- rollouts ----------------------------------------------------------------------------------------
     async def submit(self, message: dict[str, Any], peer: str, version: int) -> RolloutAck:
@@ -183,17 +195,14 @@ class RolloutIntake:
         except Forged as exc:
             self.forged += 1
             self._count_refusal(peer)
-            self.strikes.strike(peer)
+            if self.strikes.strike(peer):
+                self.leases.release_peer(peer)  # banned: the seeds it holds go to other peers now
             log.warning("forged rollouts from %s: %s", peer, exc)
             return RolloutAck(rejected=[(i, f"forged: {exc}") for i in ids])
         except Rejected as exc:
             self.rejected += 1
             self._count_refusal(peer)
-            rec = self.leases.get(g.lease_id)
-            if rec is not None and rec.peer == peer:
-                # the seed is spent (a stale group stays stale): release it, so a peer whose groups went stale is
-                # not left holding leases it can never return (it would be refused work as "busy")
-                self.leases.close_seed(g.lease_id, g.seed)
+            self._release(g, peer)
             return RolloutAck(rejected=[(i, str(exc)) for i in ids])
         self.leases.close_seed(g.lease_id, g.seed)
         seq = self.journal.append(group, ids)
@@ -204,6 +213,14 @@ class RolloutIntake:
         if self.settings.durable_acks:
             await self.journal.sync(seq)  # group commit: one fsync covers every append made before it
         return RolloutAck(accepted=ids)
+
+    def _release(self, g: RolloutGroup, peer: str) -> None:
+        """The lease holder's seed came back unusable: it is spent for that peer (a stale group stays stale, and a
+        peer must not be left holding leases it can never return), and leased again to another peer, so refusing
+        a prompt never removes it from training."""
+        rec = self.leases.get(g.lease_id)
+        if rec is not None and rec.peer == peer:
+            self.leases.release(g.lease_id, g.seed)
 
     def _count_refusal(self, peer: str) -> None:
         self.refused_by_peer[peer] = self.refused_by_peer.get(peer, 0) + 1
@@ -229,6 +246,7 @@ class RolloutIntake:
         while True:
             taken = take_batch(self.buffer.queue, n_groups - len(batch), version, self.settings.max_staleness, per_peer)
             batch += taken.batch
+            self._batch = batch
             self.pending = len(batch)
             self.ledger.groups_stale += taken.stale
             self.ledger.groups_no_signal += taken.no_signal
@@ -241,6 +259,8 @@ class RolloutIntake:
 
     def trained(self, batch: list[Group]) -> None:
         self.ledger.groups_trained += len(batch)
+        self._trained_ids.update(g.group_id for g in batch)
+        self._batch = []
         self.pending = 0
 
     @property
@@ -253,11 +273,42 @@ class RolloutIntake:
         it and the ledger); returns what the checkpoint must record."""
         epoch = self.journal.epoch + 1
         self.journal.start_segment(epoch, self.buffer.snapshot())
-        return {"journal_epoch": epoch, "ledger": self.ledger.to_dict(), "next_seed": self.leases.next_seed}
+        self._cutting = True
+        self._trained_ids.clear()
+        return {
+            "journal_epoch": epoch,
+            "ledger": self.ledger.to_dict(),
+            "next_seed": self.leases.next_seed,
+            "reissue": self.leases.pending_seeds(),  # leased or waiting, not yet trained: leased again on restart
+        }
 
     def end_checkpoint(self, saved: dict[str, Any]) -> None:
         """The checkpoint is on disk: drop the journal segments it supersedes."""
         self.journal.drop_before(saved["journal_epoch"])
+        self._base_epoch = saved["journal_epoch"]
+        self._cutting = False
+        self._compacted_at = self.journal.appended
+
+    async def compact(self) -> int:
+        """Compact the journal without a checkpoint (node/intake/journal.py ``compact``): a restart from the
+        checkpoint on disk still finds every group buffered or trained since it; the rest are tallied. Returns
+        how many records were dropped (0 while a checkpoint is being cut)."""
+        if self._cutting:
+            return 0
+        keep = {g.group_id for g, _ in self.buffer.queue} | {g.group_id for g in self._batch} | self._trained_ids
+        self._compacted_at = self.journal.appended
+        return await self.journal.compact(self._base_epoch, keep, fate)
+
+    async def compact_forever(self, every: float = COMPACT_EVERY) -> None:
+        """Compact the journal every ``every`` seconds once ``COMPACT_AFTER`` groups were journaled since the last
+        compaction or checkpoint: checkpoints follow steps, and when no step runs (every group without signal, or
+        the run finished) the journal would otherwise grow as long as groups arrive. Start it beside the training
+        loop."""
+        while True:
+            await trio.sleep(every)
+            if self.journal.appended - self._compacted_at >= COMPACT_AFTER:
+                dropped = await self.compact()
+                log.info("journal compacted: %d groups no restart needs were dropped", dropped)
 
     def start(self, saved: dict[str, Any] | None) -> None:
         """Call once before accepting anything: puts back the ledger and lease cursor of a checkpoint (``saved``,
@@ -268,11 +319,18 @@ class RolloutIntake:
             self.ledger = Ledger.from_dict(saved.get("ledger", {}))
             self.leases.next_seed = saved["next_seed"]
             epoch = saved.get("journal_epoch", 0)
+        self._base_epoch = epoch
         snapshot, new = self.journal.replay(epoch)
         for group, ids in snapshot:
             self._buffer(group, ids, count=False)
         for group, ids in new:
             self._buffer(group, ids, count=True)
+        self.ledger.absorb(self.journal.tally)  # groups compactions dropped, their fate known
+        if saved is not None:
+            restored = {g.seed for g, _ in snapshot} | {g.seed for g, _ in new}
+            for seed in saved.get("reissue", []):
+                if seed not in restored:
+                    self.leases.requeue(seed)
         if snapshot or new:
             log.info("journal: %d buffered and %d newer accepted groups restored", len(snapshot), len(new))
         # appends go to a fresh segment after every existing one: earlier segments stay as they are until a
@@ -282,6 +340,9 @@ class RolloutIntake:
     def status(self) -> dict[str, Any]:
         return {
             "leases_issued": self.leases.issued,
+            "seeds_reissued": self.leases.seeds_reissued,  # unreturned or refused seeds leased to another peer
+            "seeds_given_up": self.leases.seeds_given_up,
+            "leases_revoked": self.leases.revoked,  # newcomer leases taken back for another newcomer
             **self.ledger.to_dict(),  # rollouts and groups accepted (per peer too), and every accepted group's fate
             "groups_buffered": self.buffered,
             "groups_rejected": self.rejected,
