@@ -10,7 +10,8 @@
   that slot. With none attached it does what upstream does.
 - ``cap_unnegotiated``: wraps the swarm's entry for inbound streams (after the allow-list gate, if any) so a
   connection's streams still negotiating their protocol are counted, and one over the cap is reset on arrival
-  (py-libp2p bounds concurrent negotiations only for QUIC; each waits up to 10 s for a peer that never speaks).
+  and reported (py-libp2p bounds concurrent negotiations only for QUIC; each waits up to 10 s for a peer that
+  never speaks).
 - ``ping_state``: yamux's keepalive (a ping every 30 s, ``Yamux._measure_rtt_loop``) never acts on a missing
   pong; this reads when the last ping went out and whether it was answered.
 - ``is_inbound``, ``remote_ip``: a connection's direction and the IP of its transport's remote end.
@@ -118,9 +119,12 @@ async def _close_quietly(read_write_closer: Any) -> None:
         pass
 
 
-def cap_unnegotiated(network: INetwork, refuse: Callable[[int], bool], refused: Callable[[ID], None]) -> None:
+def cap_unnegotiated(
+    network: INetwork, refuse: Callable[[int], bool], refused: Callable[[INetConn | None, ID], None]
+) -> None:
     """Reset an inbound stream on arrival when ``refuse(n)`` says so, n being the streams of its connection still
-    negotiating a protocol. Wraps whatever entry the swarm has now (install the allow-list gate first)."""
+    negotiating a protocol, and tell ``refused`` (its swarm connection, its peer). Wraps whatever entry the swarm
+    has now (install the allow-list gate first)."""
     swarm: Any = network
     inner = swarm.common_stream_handler
     waiting: dict[int, set[INetStream]] = {}  # id(muxed connection) -> its streams not yet negotiated
@@ -133,7 +137,7 @@ def cap_unnegotiated(network: INetwork, refuse: Callable[[int], bool], refused: 
         else:  # negotiated since the last arrival: no longer counted
             pending.difference_update([s for s in pending if s.get_protocol() is not None])
         if refuse(len(pending)):
-            refused(stream.muxed_conn.peer_id)
+            refused(getattr(stream, "swarm_conn", None), stream.muxed_conn.peer_id)
             try:
                 await stream.reset()
             except Exception:
