@@ -67,7 +67,16 @@ class TrainerRole:
             transport="wire8" if w.encoding == "int8" else None,
         )
         self.store = ChunkStore(config.data_dir / "store")
-        self.weight_server = WeightServer(self.store, True, w.reserve_after, w.upload_per_peer)
+        # its own chunks go to peers that were leased work (the lease book remembers them) or had a group accepted;
+        # all others share one small upload share (node/weights/policy.py, origin_serves_freely): a new sampler
+        # fetches its first version from the swarm
+        self.weight_server = WeightServer(
+            self.store,
+            True,
+            w.reserve_after,
+            w.upload_per_peer,
+            may_fetch=lambda p: str(p) in self.intake.leases.returns or str(p) in self.intake.ledger.accepted_by_peer,
+        )
         self.finished = trio.Event()
         self.runlog = RunLog(config.data_dir / "metrics.jsonl")
         self.meter = StepMeter(self.intake)

@@ -15,6 +15,11 @@ requests, have-polls, timeouts, cancellation).
   size), is dropped as a source for this download and struck; its claims stop counting towards rarity, and any
   chunk a request failed for becomes one the origin serves, so a liar cannot park chunks out of reach.
 - A peer that says "busy" or "rate_limited" (its upload limit) is simply asked again later.
+- Standing across versions (``Conduct``, one per node, shared by its downloads): every request to a peer that
+  brings no chunk, including one still unanswered when its chunks came another way or its download ended, counts
+  against the peer beyond this download; a streak of them, or a drop, benches it (not asked, nor polled) for a
+  while growing with repeats, and repeats are strikes. Without that, a peer holding every request until the
+  download moved on was never judged and was asked again every version (issue 26, 3b).
 - Endgame (BitTorrent's): once every missing chunk a peer holds is already requested elsewhere, an idle worker asks
   its (non-origin) peer for chunks requested only once so far, a small batch at a time; when every chunk of a
   request has arrived by another route, that request is cancelled. The last chunks of a version no longer wait on
@@ -68,6 +73,49 @@ class DownloadStats:
         return Record(self.slow.get(key, 0), self.withheld.get(key, 0), self.bytes_by_peer.get(key, 0))
 
 
+class Conduct:
+    """Every peer's standing as a chunk source across downloads (rules: node/weights/policy.py, "Standing").
+    Bounded: the least recently heard of peers are forgotten beyond ``max_peers``."""
+
+    def __init__(self, strikes: Strikes, max_peers: int = 10_000) -> None:
+        self.strikes = strikes
+        self.max_peers = max_peers
+        self.standing: dict[str, policy.Standing] = {}
+        self.benches = 0  # benches handed out, all peers together
+        self.unanswered: dict[str, int] = {}  # requests that brought nothing, per peer (bounded like ``standing``)
+
+    def get(self, peer: ID) -> policy.Standing:
+        return self.standing.get(str(peer), policy.Standing())
+
+    def benched(self, peer: ID, now: float) -> bool:
+        s = self.standing.get(str(peer))
+        return s is not None and policy.benched(s, now)
+
+    def ended(self, peer: ID, served: bool, now: float) -> None:
+        """A request to ``peer`` ended, with a chunk or without."""
+        if not served:
+            key = str(peer)
+            self.unanswered[key] = self.unanswered.pop(key, 0) + 1
+        self._set(peer, policy.request_ended(self.get(peer), served, now))
+
+    def dropped(self, peer: ID, now: float) -> None:
+        """A download dropped ``peer`` (and struck it already): it stays off every download for a while."""
+        self._set(peer, policy.bench(self.get(peer), now), struck=True)
+
+    def _set(self, peer: ID, new: policy.Standing, struck: bool = False) -> None:
+        key = str(peer)
+        old = self.standing.pop(key, policy.Standing())
+        self.standing[key] = new  # re-inserted: most recently heard of last
+        if new.until > old.until:
+            self.benches += 1
+            log.warning("not asking %s for chunks for %.0f s (bench %d)", peer, new.until - old.until, new.benches)
+            if not struck and policy.strike_on_bench(new.benches):
+                self.strikes.strike(peer)
+        for table in (self.standing, self.unanswered):
+            while len(table) > self.max_peers:
+                del table[next(iter(table))]
+
+
 class Downlink:
     """When chunks arrived, and how many bytes: this node's own download rate (trio's clock)."""
 
@@ -98,7 +146,9 @@ class Download:
         strikes: Strikes,
         settings: FetchSettings | None = None,
         wanted: Collection[bytes] | None = None,
+        conduct: Conduct | None = None,
     ) -> None:
+        """``conduct``: peers' standing across downloads (WeightSync keeps one; default: this download's own)."""
         self.client = WeightsClient(host)
         self.store = store
         self.manifest = manifest
@@ -106,6 +156,7 @@ class Download:
         self.origin = origin
         self.peers = peers
         self.strikes = strikes
+        self.conduct = conduct if conduct is not None else Conduct(strikes)
         self.settings = settings = settings or FetchSettings()
         chunks = manifest.all_chunks()
         route = list(wanted) if wanted is not None else chunks
@@ -228,7 +279,11 @@ class Download:
         self._learn_bits(peer, bits)
 
     def _usable(self, peer: ID) -> bool:
-        return not self.strikes.is_banned(peer) and peer not in self.dropped
+        return (
+            not self.strikes.is_banned(peer)
+            and peer not in self.dropped
+            and (peer == self.origin or not self.conduct.benched(peer, trio.current_time()))
+        )
 
     def _judge(self, peer: ID) -> None:
         """Stop asking ``peer`` for this version if its conduct says so; its claims no longer make chunks look
@@ -240,6 +295,7 @@ class Download:
         self.stats.dropped.append(str(peer))
         self.holders.pop(peer, None)
         self.strikes.strike(peer)
+        self.conduct.dropped(peer, trio.current_time())
         log.warning("not asking %s for version %d any more: %s", peer, self.manifest.version, why)
 
     async def _worker(self, peer: ID) -> None:
@@ -264,13 +320,15 @@ class Download:
                 self.in_flight.update(batch)
                 entry = (peer, batch, trio.CancelScope())
                 self._requests.append(entry)
-                ok = True
+                ok, asked_at = True, trio.current_time()
+                outcome: list[bool] = []  # _fetch's verdict: did the request bring a chunk (empty: no verdict)
                 try:
                     with entry[2]:
-                        ok = await self._fetch(peer, batch)
+                        ok = await self._fetch(peer, batch, outcome)
                 finally:
                     self._requests.remove(entry)
                     self.in_flight.subtract(batch)
+                    self._standing_after(peer, outcome, trio.current_time() - asked_at)
                 failures = 0 if ok else failures + 1  # (a cancelled request: every chunk came another way)
                 self._poke()
         finally:
@@ -278,7 +336,19 @@ class Download:
             if failures >= policy.WORKER_FAILURES:
                 self.holders.pop(peer, None)  # gone or broken: stop counting its chunks
 
-    async def _fetch(self, peer: ID, batch: list[int]) -> bool:
+    def _standing_after(self, peer: ID, outcome: list[bool], outstanding: float) -> None:
+        """Tell the peer's standing how a request ended: with its verdict, or (cancelled: its chunks came another
+        way, or the download ended) as unanswered if it had been waited on long enough. A peer this download
+        dropped has been benched for it already."""
+        if peer == self.origin or peer in self.dropped:
+            return
+        if outcome:
+            self.conduct.ended(peer, outcome[0], trio.current_time())
+        elif policy.counts_as_unanswered(outstanding):
+            self.conduct.ended(peer, False, trio.current_time())
+
+    async def _fetch(self, peer: ID, batch: list[int], outcome: list[bool]) -> bool:
+        """One request; ``outcome`` gets whether it brought a chunk (nothing for backpressure or a cancel)."""
         hashes = [self.layout.chunks[i] for i in batch]
         size, queued = self.layout.bytes_of(batch), self.bytes_in_flight()
         deadline = policy.reply_deadline(peer == self.origin, size, queued, self.downlink.rate(), self.settings)
@@ -291,20 +361,25 @@ class Download:
             if pause is not None:  # its upload limit: ask again later, no blame
                 self.resting[peer] = trio.current_time() + pause
                 return True
+            outcome.append(False)
             self._failed(peer, batch, f"{exc}")
             return False
         except trio.TooSlowError:
+            outcome.append(False)
             key = str(peer)
             self.stats.slow[key] = self.stats.slow.get(key, 0) + 1
             self._failed(peer, batch, f"no reply within {deadline:.1f} s")
             self._judge(peer)
             return False
         except Exception as exc:
+            outcome.append(False)
             self._failed(peer, batch, f"{type(exc).__name__}: {exc}")
             return False
         index = self.layout.index
+        came_anyway = 0  # chunks it sent that had arrived by another route meanwhile (no verdict on those)
         for h, data in found.items():
             if index[h] not in self.missing:
+                came_anyway += 1
                 continue  # it arrived by another route meanwhile (endgame)
             try:
                 await trio.to_thread.run_sync(self.store.write, h, data)  # checks blake3 before storing
@@ -313,12 +388,16 @@ class Download:
                 self.strikes.strike(peer)  # whoever served it: every chunk is checked against its hash
                 log.warning("peer %s served a corrupt chunk %s; fetching it elsewhere", peer, h.hex()[:12])
                 continue
+            if not outcome:
+                outcome.append(True)  # it served: whatever else this reply holds
             self.missing.discard(index[h])
             self.failed.discard(index[h])
             self.downlink.arrived(len(data))
             self._cancel_superseded(batch)
             key = str(peer)
             self.stats.bytes_by_peer[key] = self.stats.bytes_by_peer.get(key, 0) + len(data)
+        if not outcome and not (came_anyway and came_anyway == len(found) == len(hashes)):
+            outcome.append(False)  # nothing usable: withheld, or only corrupt chunks
         if bits is not None and peer not in self.dropped:
             self._learn_bits(peer, bits)  # what it holds now, for free: no need to poll it
         lacking = [index[h] for h in hashes if h not in found]

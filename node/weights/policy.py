@@ -24,6 +24,22 @@ dropped from the download (and struck). "busy"/"rate_limited" is no fault: the p
 ``node.rpc.backpressure`` says.
 A worker gives up on its peer after ``WORKER_FAILURES`` failed requests in a row.
 
+Standing (``Standing``, ``request_ended``, ``bench``). Blame above resets with every download, and a peer that
+holds each request until a download ends (its chunks arrive from the origin or others meanwhile, its request is
+cancelled) is never judged at all: it was asked again every version (issue 26, 3b). So each node also keeps one
+``Standing`` per peer across downloads. A request that brings no chunk (an answer of "missing", an error, no answer
+in time, or still unanswered ``LAPSE_AFTER`` seconds on when it stopped mattering) lengthens the peer's streak; one
+that brings a chunk ends it and earns back one bench. ``UNANSWERED_LIMIT`` in a row (one, for a peer benched
+before), or a drop, bench the peer: it is not asked, nor polled, for ``BENCH_SECONDS``, doubling with each bench up
+to ``MAX_BENCH_SECONDS``; from its second bench on, each bench is also a strike (``strike_on_bench``). "busy" and
+"rate_limited" count neither way.
+
+The origin's strangers (``origin_serves_freely``). The trainer serves chunks from each peer's own upload share only
+to peers with a lease or an accepted group; every other peer draws on one share for all of them together
+(``STRANGER_SHARE`` of a peer's), unless no such peer is connected (a new swarm: everyone is still fetching its
+first version). A new sampler has no lease before it holds weights (it asks for work once its engine runs), so it
+fetches from the samplers that do, and the strangers' share is what still moves it when none of them can serve it.
+
 Versions (``is_news``, ``take_announcement``, ``cancel_for_newer``, ``rebuild_now``). A version is worth chasing
 when it is newer than the one running and the one being fetched. An announcer whose announcements give nothing
 usable ``ANNOUNCE_FAILURES`` times is struck. A newer target cancels a download unless that one is at least
@@ -34,7 +50,7 @@ up to ``BUILD_RETRIES`` times, then only after the poll interval.
 from __future__ import annotations
 
 from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from protocols import weights as w
@@ -52,6 +68,11 @@ WORKER_FAILURES = 3  # failed requests in a row before a worker stops asking its
 ANNOUNCE_FAILURES = 3  # useless announcements before the announcer is struck
 MAX_PENDING_ANNOUNCEMENTS = 64  # announced manifests being fetched at once
 BUILD_RETRIES = 3  # rebuild attempts of one target after bad links, before waiting for a newer one
+LAPSE_AFTER = 0.5  # seconds a request stayed unanswered, when it stopped mattering, for it to count as unanswered
+UNANSWERED_LIMIT = 3  # requests in a row, across downloads, that brought no chunk before a peer is benched
+BENCH_SECONDS = 30.0  # a peer's first bench; each further one doubles
+MAX_BENCH_SECONDS = 960.0
+STRANGER_SHARE = 0.25  # of one peer's upload share: what every peer without a lease or record at the origin shares
 
 P = TypeVar("P", bound=Hashable)
 
@@ -236,6 +257,59 @@ def drop_reason(record: Record, typical: int) -> str | None:
     if record.withheld >= WITHHELD_LIMIT and record.withheld > record.served // max(1, typical):
         return f"advertised {record.withheld} chunks it then did not serve"
     return None
+
+
+# -- standing across downloads ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Standing:
+    """One peer's conduct as a chunk source across downloads (a ``Record`` covers one download only)."""
+
+    unanswered: int = 0  # requests in a row that brought no chunk
+    benches: int = 0  # times it was benched, less one per request since that brought a chunk
+    until: float = 0.0  # not asked (nor polled) before then
+
+
+def bench_seconds(benches: int) -> float:
+    """How long the ``benches``-th bench lasts: ``BENCH_SECONDS``, doubling, at most ``MAX_BENCH_SECONDS``."""
+    return min(MAX_BENCH_SECONDS, BENCH_SECONDS * 2.0 ** max(0, benches - 1))
+
+
+def bench(s: Standing, now: float) -> Standing:
+    """The peer is not asked again for a while, longer with each bench."""
+    benches = s.benches + 1
+    return Standing(0, benches, now + bench_seconds(benches))
+
+
+def request_ended(s: Standing, served: bool, now: float) -> Standing:
+    """A request to the peer ended: with a chunk (``served``), or with nothing. ``UNANSWERED_LIMIT`` of the latter in
+    a row bench the peer; one is enough for a peer benched before."""
+    if served:
+        return replace(s, unanswered=0, benches=max(0, s.benches - 1))
+    unanswered = s.unanswered + 1
+    if unanswered >= (UNANSWERED_LIMIT if s.benches == 0 else 1):
+        return bench(s, now)
+    return replace(s, unanswered=unanswered)
+
+
+def benched(s: Standing, now: float) -> bool:
+    return now < s.until
+
+
+def counts_as_unanswered(outstanding: float) -> bool:
+    """A request cancelled before its reply (its chunks came another way, or its download ended) counts against
+    the peer only if it had been waited on this long: no honest peer is blamed for losing a close race."""
+    return outstanding >= LAPSE_AFTER
+
+
+def strike_on_bench(benches: int) -> bool:
+    """A peer benched again before it served anything is a repeat offender: each such bench is a strike."""
+    return benches >= 2
+
+
+def origin_serves_freely(trusted: bool, trusted_connected: bool) -> bool:
+    """Whether the origin serves a peer from that peer's own upload share (it has a lease or an accepted group, or
+    nobody connected has one yet) or from the one share all strangers draw on."""
+    return trusted or not trusted_connected
 
 
 # -- versions --------------------------------------------------------------------------------------------------

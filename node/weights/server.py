@@ -1,8 +1,17 @@
-"""Serves what this node's store holds: manifests, chunks and have-bitfields. Every peer re-serves."""
+"""Serves what this node's store holds: manifests, chunks and have-bitfields. Every peer re-serves.
+
+What one peer may cost this node, checked cheapest first: ``REQUESTS_PER_SECOND`` requests of any kind (a burst of
+``REQUEST_BURST``), counted when a frame's length arrives, before its body is read, decoded or any disk touched: a
+flood of have-polls or chunk requests is refused with "rate_limited" and a retry_after (issue 26, 3c: the byte
+limit alone let a flood of small requests take the trainer's CPU); then its upload share in bytes/s. At the origin
+a peer with neither a lease nor an accepted group draws on one share for all such peers together
+(node/weights/policy.py, ``origin_serves_freely``).
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -11,9 +20,15 @@ from libp2p.peer.id import ID
 
 from node.ratelimit import PeerRateLimiter
 from node.rpc import request, serve
+from node.weights import policy
 from node.weights.store import ChunkStore
 from protocols import weights as w
 from protocols.errors import ProtocolError
+
+REQUESTS_PER_SECOND = 50.0  # requests (of any kind) one peer may send: a download polls twice a second and its
+REQUEST_BURST = 100.0  # chunk requests carry ~4 MiB each, so an honest peer stays far below this
+STRANGERS = "strangers"  # the origin's one upload bucket for every peer without a lease or a record
+TRUSTED_RECHECK = 1.0  # seconds the origin reuses a "yes" to "is any peer with a lease or record connected?"
 
 
 class NotFound(ProtocolError):
@@ -30,14 +45,29 @@ class WeightServer:
     (bench/broadcast N=16 at 10 Mbit/s: trainer upload 1.9x a version, worst run 1.7x the bound)."""
 
     def __init__(
-        self, store: ChunkStore, origin: bool = False, reserve_after: float = 3.0, upload_per_peer: float = 16 << 20
+        self,
+        store: ChunkStore,
+        origin: bool = False,
+        reserve_after: float = 3.0,
+        upload_per_peer: float = 16 << 20,
+        may_fetch: Callable[[ID], bool] | None = None,
+        stranger_share: float = policy.STRANGER_SHARE,
     ) -> None:
+        """``may_fetch(peer)``: at the origin, whether ``peer`` has a lease or an accepted group (None: everyone
+        has); the others together get ``stranger_share`` of one peer's upload share."""
         self.store = store
         self.origin = origin
         self.reserve_after = reserve_after
         # bytes/s any one peer may pull (2 s of burst): a peer pulling everything it can must not starve this
         # node's own work (a sampler's generation) nor the other peers
         self.upload_limit = PeerRateLimiter(upload_per_peer, 2 * upload_per_peer, max_peers=10_000)
+        self.request_limit = PeerRateLimiter(REQUESTS_PER_SECOND, REQUEST_BURST, max_peers=10_000)
+        self.may_fetch = may_fetch
+        rate = upload_per_peer * stranger_share
+        self.stranger_limit = PeerRateLimiter(rate, 2 * rate, max_peers=1)
+        self.host: IHost | None = None
+        self._trusted_seen: tuple[float, bool] = (-TRUSTED_RECHECK, False)  # (when checked, any connected)
+        self.stranger_bytes = 0  # served to peers without a lease or record while some were connected
         self._requests = 0
         self._last_served: dict[bytes, float] = {}
         self.bytes_served = 0
@@ -95,6 +125,7 @@ class WeightServer:
             self._served[h] -= 1
 
     def register(self, host: IHost) -> None:
+        self.host = host
         host.set_stream_handler(
             w.PROTOCOL_ID,
             serve(
@@ -103,10 +134,37 @@ class WeightServer:
                 w.MAX_REQUEST_FRAME,
                 w.MAX_REPLY_FRAME,
                 timeout=30.0,
+                admit=self.admit,
                 streams_per_peer=4,
                 reply_sent=self.reply_sent,
             ),
         )
+
+    def admit(self, remote: ID) -> None:
+        """Before a request's body is read: one token of the peer's request bucket (RateLimited when empty)."""
+        self.request_limit.take(str(remote))
+
+    def _trusted_connected(self, now: float) -> bool:
+        """Whether a peer with a lease or an accepted group is connected (a yes is reused for a second)."""
+        when, seen = self._trusted_seen
+        if (seen and now - when < TRUSTED_RECHECK) or self.host is None:
+            return seen
+        seen = self.may_fetch is not None and any(self.may_fetch(p) for p in self.host.get_connected_peers())
+        self._trusted_seen = (now, seen)
+        return seen
+
+    def _charge(self, remote: ID, cost: int) -> bool:
+        """Take a chunk request's bytes from the right bucket (RateLimited if it is empty); True when they came
+        from the strangers' one bucket."""
+        cost = min(cost, int(self.upload_limit.burst))  # one request never costs more than the burst
+        stranger = False
+        if self.origin and self.may_fetch is not None:
+            trusted = self.may_fetch(remote)
+            stranger = not policy.origin_serves_freely(trusted, trusted or self._trusted_connected(time.monotonic()))
+        if stranger:
+            self.stranger_limit.take(STRANGERS, min(float(cost), self.stranger_limit.burst))
+        self.upload_limit.take(str(remote), float(cost))
+        return stranger
 
     async def handle(self, message: dict[str, Any], remote: ID) -> dict[str, Any]:
         kind, arg = w.parse_request(message)
@@ -125,8 +183,7 @@ class WeightServer:
             if self._requests % 1024 == 0:
                 self._forget_gone_chunks()
             cost = sum(self.store.size(h) for h in arg)
-            if cost:  # raises RateLimited(retry_after); one request never costs more than the burst
-                self.upload_limit.take(str(remote), min(float(cost), self.upload_limit.burst))
+            stranger = self._charge(remote, cost) if cost else False  # raises RateLimited(retry_after)
             found, missing = [], []
             floors = self._floors() if self.origin else {}
             for h in arg:
@@ -144,6 +201,7 @@ class WeightServer:
                     missing.append(h)
                 else:
                     found.append((h, data))
+                    self.stranger_bytes += len(data) if stranger else 0
                     self.bytes_served += len(data)
                     self.chunks_served += 1
             named = w.chunks_request_manifest(message)

@@ -28,7 +28,7 @@ from node.settings import WeightSettings
 from node.strikes import Strikes
 from node.weights import policy
 from node.weights.chain import Step, plan, plan_bytes
-from node.weights.fetcher import Download
+from node.weights.fetcher import Conduct, Download
 from node.weights.gossip import Gossip, announce_topic
 from node.weights.hashes import manifest_id
 from node.weights.manifest import ForgedManifest, verify_manifest
@@ -116,6 +116,7 @@ class WeightSync:
         self.settings = settings
         self._cancelled_in_a_row = 0
         self.strikes = Strikes(limit=2)  # corrupt chunks and forged manifests: two and a peer is never asked again
+        self.conduct = Conduct(self.strikes)  # peers' standing as chunk sources, across versions (fetcher.py)
         self.current: int = -1
         self.target: tuple[int, bytes, w.Manifest] | None = None
         self.forged_manifests = 0
@@ -152,6 +153,8 @@ class WeightSync:
         out["routes"] = dict(self.routes)
         if self.bad_links:
             out["bad_links"] = self.bad_links
+        if self.conduct.benches:
+            out["chunk_peers_benched"] = self.conduct.benches
         d = self.download
         if d is not None and d.missing and self.target is not None and self.target[0] > self.current:
             have = d.wanted_count - len(d.missing)
@@ -272,6 +275,7 @@ class WeightSync:
             wanted=None
             if step.route == "full" and step.manifest.patch is None
             else self.store.route_chunks(step.manifest, step.route),
+            conduct=self.conduct,
         )
 
     def build(self, steps: list[Step]) -> tuple[Path, WeightChanges | None]:
