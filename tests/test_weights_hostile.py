@@ -112,14 +112,14 @@ async def test_a_withholder_is_benched_across_versions_not_asked_every_one(tmp_p
         for version in range(1, 6):
             before = len(asked)
             t0 = trio.current_time()
+            if sampler.role.weights.conduct.get(liar.peer_id).until - t0 < 12 * slowdown():
+                break  # its bench may end during this version (a very loaded machine): it may be asked once more
             await _new_version(trainer)
             await wait_until(lambda v=version: sampler.role.versions.engine == v, 30, what=f"version {version}")
             assert trio.current_time() - t0 < 12 * slowdown(), "a withheld download took as long as the liar wanted"
             by_version.append(asked[before:])
-        # before: polled (and often asked) by every download, for good; now not even polled while benched
-        assert by_version == [[]] * 5, by_version
-        conduct = sampler.role.weights.conduct
-        assert conduct.benched(liar.peer_id, trio.current_time())
+        # before: polled (and often asked) by the next download; now not even polled while benched
+        assert len(by_version) >= 2 and by_version == [[]] * len(by_version), by_version
         assert sampler.role.weights.status()["chunk_peers_benched"] >= 1
         nursery.cancel_scope.cancel()
 
