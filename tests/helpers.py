@@ -19,6 +19,7 @@ import trio
 
 from node.config import write_config_file
 from node.identity import load_or_create_key, peer_id_of
+from node.intake import RolloutIntake
 from node.local_swarm import (
     LOOPBACK,
     Running,
@@ -30,7 +31,15 @@ from node.local_swarm import (
     start_trainer,
     trainer_peer_id,
 )
+from node.rpc import request
+from node.settings import TrainerSettings
 from node.status import read_status as _read_status
+from protocols import work
+from protocols.draw import RULE, TokenDraw
+from protocols.rollouts import RolloutGroup, Sample
+from protocols.work import WorkLease, WorkRequest
+from trainer.tasks.reverse import ReverseDigitsTask
+from trainer.text import completion_text
 
 __all__ = [
     "CLI",
@@ -285,3 +294,71 @@ def build_llama_bpe(out_dir: Path, seed: int = 0, hidden: int = 64, layers: int 
     LlamaForCausalLM(config).save_pretrained(out_dir)
     flatten_rope_theta(out_dir)
     return out_dir
+
+
+# -- the trainer over the wire (tests/conftest.py: trainer_and_client) ------------------------------------
+async def get_lease(client, trainer) -> WorkLease:
+    reply = await request(
+        client.host,
+        trainer.swarm.peer_id,
+        work.PROTOCOL_ID,
+        WorkRequest(2).to_wire(),
+        max_request=work.MAX_REQUEST_FRAME,
+        max_reply=work.MAX_FRAME,
+    )
+    return WorkLease.from_wire(reply)
+
+
+# -- an intake without torch or a network (test_intake, test_leases_hostile) --------------------------------
+EOS = 2
+CHARS = "0123456789>"
+
+
+def encode(text: str) -> list[int]:
+    return [1] + [10 + CHARS.index(c) for c in text]
+
+
+def decode(ids: list[int]) -> str:
+    return "".join(CHARS[i - 10] for i in ids)
+
+
+def score(version, prompts, completions, temperature, top_p):
+    """Stands in for the learner: every token has logprob -1 at every kept version, and any draw picks it."""
+    return [[TokenDraw(-1.0, 0.0, 1.0) for _ in c] for c in completions]
+
+
+def make_intake(tmp_path, saved: dict | None = None, **kw) -> RolloutIntake:
+    """An intake journaling under ``tmp_path``, started fresh or from a checkpoint's ``saved`` state."""
+    settings = TrainerSettings(group_size=2, max_tokens=8, max_staleness=2, **kw)
+    intake = RolloutIntake(
+        ReverseDigitsTask(),
+        encode,
+        lambda ids: completion_text(ids, (EOS,), decode),
+        (EOS,),
+        score,
+        tmp_path / "journal",
+        settings,
+    )
+    intake.start(saved)
+    return intake
+
+
+def group_for(intake: RolloutIntake, peer: str, spec, lease, answers: list[str], version: int = 0) -> dict:
+    samples = [
+        Sample(f"{lease.lease_id}/{spec.seed}/{k}", [*encode(a)[1:], EOS], [-1.0] * (len(a) + 1), "stop")
+        for k, a in enumerate(answers)
+    ]
+    return RolloutGroup(
+        f"{lease.lease_id}/{spec.seed}",
+        lease.lease_id,
+        spec.task_id,
+        spec.seed,
+        version,
+        peer,
+        spec.prompt_ids,
+        1.0,
+        1.0,
+        "none",
+        samples,
+        RULE,
+    ).to_wire()

@@ -9,67 +9,10 @@ import sys
 import trio
 import trio.testing
 
-from node.intake import RolloutIntake
-from node.settings import TrainerSettings
-from protocols.draw import RULE, TokenDraw
-from protocols.rollouts import RolloutGroup, Sample
+from protocols.draw import TokenDraw
 from protocols.work import WorkRequest
-from tests.helpers import wait_until
+from tests.helpers import group_for, make_intake, wait_until
 from trainer.tasks.reverse import ReverseDigitsTask
-from trainer.text import completion_text
-
-EOS = 2
-CHARS = "0123456789>"
-
-
-def encode(text: str) -> list[int]:
-    return [1] + [10 + CHARS.index(c) for c in text]
-
-
-def decode(ids: list[int]) -> str:
-    return "".join(CHARS[i - 10] for i in ids)
-
-
-def score(version, prompts, completions, temperature, top_p):
-    """Stands in for the learner: every token has logprob -1 at every kept version, and any draw picks it."""
-    return [[TokenDraw(-1.0, 0.0, 1.0) for _ in c] for c in completions]
-
-
-def make_intake(tmp_path, saved: dict | None = None, **kw) -> RolloutIntake:
-    """An intake journaling under ``tmp_path``, started fresh or from a checkpoint's ``saved`` state."""
-    settings = TrainerSettings(group_size=2, max_tokens=8, max_staleness=2, **kw)
-    intake = RolloutIntake(
-        ReverseDigitsTask(),
-        encode,
-        lambda ids: completion_text(ids, (EOS,), decode),
-        (EOS,),
-        score,
-        tmp_path / "journal",
-        settings,
-    )
-    intake.start(saved)
-    return intake
-
-
-def group_for(intake: RolloutIntake, peer: str, spec, lease, answers: list[str], version: int = 0) -> dict:
-    samples = [
-        Sample(f"{lease.lease_id}/{spec.seed}/{k}", [*encode(a)[1:], EOS], [-1.0] * (len(a) + 1), "stop")
-        for k, a in enumerate(answers)
-    ]
-    return RolloutGroup(
-        f"{lease.lease_id}/{spec.seed}",
-        lease.lease_id,
-        spec.task_id,
-        spec.seed,
-        version,
-        peer,
-        spec.prompt_ids,
-        1.0,
-        1.0,
-        "none",
-        samples,
-        RULE,
-    ).to_wire()
 
 
 async def test_groups_are_verified_acked_once_and_wake_the_training_loop(tmp_path):

@@ -19,9 +19,7 @@ from protocols import rollouts
 from protocols.errors import RemoteError
 from protocols.rollouts import RolloutAck, RolloutGroup, Sample
 from protocols.work import WorkRequest
-from tests.helpers import wait_until
-from tests.test_hostile_rollouts import get_lease, trainer_and_client  # noqa: F401 (a fixture)
-from tests.test_intake import group_for, make_intake
+from tests.helpers import get_lease, group_for, make_intake, wait_until
 from trainer.groups import Group
 
 
@@ -39,7 +37,7 @@ async def with_record(intake, peer: str) -> None:
 
 
 # -- the draw rule ---------------------------------------------------------------------------------------
-async def test_a_lease_holder_omitting_the_draw_rule_is_struck_and_banned(trainer_and_client):  # noqa: F811
+async def test_a_lease_holder_omitting_the_draw_rule_is_struck_and_banned(trainer_and_client):
     """Issue 26, 2(d): groups without a ``draw`` field were refused without blame, so a forger omitting it was
     never banned (0 bans). The lease holder knew the rule (the protocol fixes it): now each one is a strike."""
     trainer, client = trainer_and_client
