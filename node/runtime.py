@@ -11,6 +11,7 @@ import trio
 from libp2p.peer.id import ID
 
 from node.config import NodeConfig
+from node.connmgr import conn_limits
 from node.errors import UserError
 from node.host import Swarm, bootstrap_peers, join_bootstrap, keep_bootstrap_peers, open_swarm
 from node.identity import load_or_create_key, peer_id_of
@@ -81,7 +82,9 @@ async def run_node(config: NodeConfig, role: Role, *, task_status=trio.TASK_STAT
     """Run until cancelled. ``task_status.started`` receives the Swarm once the node has joined."""
     key_pair = load_or_create_key(config.identity_path)
     allow = config.allowed_peers(peer_id_of(key_pair))
-    async with open_swarm(key_pair, config.listen, psk=config.psk, allow=allow, reach=reach_options(config)) as swarm:
+    async with open_swarm(
+        key_pair, config.listen, psk=config.psk, allow=allow, reach=reach_options(config), conns=conn_limits(config)
+    ) as swarm:
         role.register(swarm)
         others, listed = bootstrap_peers(swarm, config.bootstrap)
         if config.role == "bootstrap" or listed:

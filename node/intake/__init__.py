@@ -124,6 +124,14 @@ class RolloutIntake:
         self._compacted_at = 0  # journal appends at the last compaction or checkpoint
 
     # -- work --------------------------------------------------------------------------------------------
+    def known(self, peer: object) -> bool:
+        """Leased work before, or had a group accepted: the trainer's own upload goes to these."""
+        return str(peer) in self.leases.returns or self.has_record(peer)
+
+    def has_record(self, peer: object) -> bool:
+        """Had a group accepted here."""
+        return str(peer) in self.ledger.accepted_by_peer
+
     def admit_work(self, peer: str, ip: str | None = None) -> None:
         """When a work stream opens, before anything is read: banned peers, floods and lease hoarders stop here.
         Peers without a record at one IP together ask for leases at most as fast as ``NEWCOMER_WORK_PER_IP``

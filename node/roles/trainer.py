@@ -70,13 +70,7 @@ class TrainerRole:
         # its own chunks go to peers that were leased work (the lease book remembers them) or had a group accepted;
         # all others share one small upload share (node/weights/policy.py, origin_serves_freely): a new sampler
         # fetches its first version from the swarm
-        self.weight_server = WeightServer(
-            self.store,
-            True,
-            w.reserve_after,
-            w.upload_per_peer,
-            may_fetch=lambda p: str(p) in self.intake.leases.returns or str(p) in self.intake.ledger.accepted_by_peer,
-        )
+        self.weight_server = WeightServer(self.store, True, w.reserve_after, w.upload_per_peer, self.intake.known)
         self.finished = trio.Event()
         self.runlog = RunLog(config.data_dir / "metrics.jsonl")
         self.meter = StepMeter(self.intake)
@@ -102,13 +96,14 @@ class TrainerRole:
             on_published=lambda version, _: self.view.trainer_version(version),
         )
         self.weight_server.register(swarm.host)
+        swarm.conns.set_valued(self.intake.has_record)  # their connections are kept when slots run short
         intake = self.intake
         serve_trainer(
             swarm.host,
             self.on_work,
             self.on_rollouts,
-            admit_work=lambda p: intake.admit_work(str(p)),
-            admit_rollouts=lambda p: intake.admit_rollouts(str(p)),
+            admit_work=lambda p: intake.admit_work(str(p), p.ip),
+            admit_rollouts=lambda p: intake.admit_rollouts(str(p), p.ip),
             group_size=self.settings.group_size,
             max_tokens=self.settings.max_tokens,
             rollout_timeout=self.config.rollout_timeout,
@@ -129,6 +124,7 @@ class TrainerRole:
             key = role_key(self.config.swarm, "trainer")
             nursery.start_soon(provide_forever, swarm, key, self.config.provide_interval)
             nursery.start_soon(self.outbox.announce_forever, self.weights.announce_interval)
+            nursery.start_soon(self.intake.compact_forever)
             self.dashboard_url = await open_dashboard(nursery, self.settings.dashboard, self.dashboard_state)
             nursery.start_soon(self.train)
             await self.finished.wait()

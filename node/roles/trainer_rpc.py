@@ -11,12 +11,12 @@ from typing import Any
 from libp2p.abc import IHost
 from libp2p.peer.id import ID
 
-from node.rpc import Handler, request, serve
+from node.rpc import Handler, Remote, request, serve
 from protocols import rollouts, work
 from protocols.rollouts import RolloutAck, RolloutGroup
 from protocols.work import WorkLease, WorkRequest
 
-Admit = Callable[[ID], None]
+Admit = Callable[[Remote], None]  # the stream's peer and its IP, before a byte is read
 
 
 def serve_trainer(
