@@ -1,7 +1,8 @@
 """Serves what this node's store holds: manifests, chunks and have-bitfields. Every peer re-serves.
 
 What one peer may cost this node, checked cheapest first: ``REQUESTS_PER_SECOND`` requests of any kind (a burst of
-``REQUEST_BURST``), counted when a frame's length arrives, before its body is read, decoded or any disk touched: a
+``REQUEST_BURST``; ``IP_PEERS`` times that from one IP), counted when a frame's length arrives, before its body is
+read, decoded or any disk touched: a
 flood of have-polls or chunk requests is refused with "rate_limited" and a retry_after (issue 26, 3c: the byte
 limit alone let a flood of small requests take the trainer's CPU); then its upload share in bytes/s. At the origin
 a peer with neither a lease nor an accepted group draws on one share for all such peers together
@@ -18,7 +19,7 @@ import trio
 from libp2p.abc import IHost
 from libp2p.peer.id import ID
 
-from node.ratelimit import PeerRateLimiter
+from node.ratelimit import PeerRateLimiter, ip_key, take_all
 from node.rpc import request, serve
 from node.weights import policy
 from node.weights.store import ChunkStore
@@ -27,6 +28,7 @@ from protocols.errors import ProtocolError
 
 REQUESTS_PER_SECOND = 50.0  # requests (of any kind) one peer may send: a download polls twice a second and its
 REQUEST_BURST = 100.0  # chunk requests carry ~4 MiB each, so an honest peer stays far below this
+IP_PEERS = 8  # one IP (an IPv6 /64) may send as many requests as this many peers: a NAT hides several nodes
 STRANGERS = "strangers"  # the origin's one upload bucket for every peer without a lease or a record
 TRUSTED_RECHECK = 1.0  # seconds the origin reuses a "yes" to "is any peer with a lease or record connected?"
 
@@ -62,6 +64,7 @@ class WeightServer:
         # node's own work (a sampler's generation) nor the other peers
         self.upload_limit = PeerRateLimiter(upload_per_peer, 2 * upload_per_peer, max_peers=10_000)
         self.request_limit = PeerRateLimiter(REQUESTS_PER_SECOND, REQUEST_BURST, max_peers=10_000)
+        self.ip_request_limit = PeerRateLimiter(IP_PEERS * REQUESTS_PER_SECOND, IP_PEERS * REQUEST_BURST)
         self.may_fetch = may_fetch
         rate = upload_per_peer * stranger_share
         self.stranger_limit = PeerRateLimiter(rate, 2 * rate, max_peers=1)
@@ -141,8 +144,13 @@ class WeightServer:
         )
 
     def admit(self, remote: ID) -> None:
-        """Before a request's body is read: one token of the peer's request bucket (RateLimited when empty)."""
-        self.request_limit.take(str(remote))
+        """Before a request's body is read: one token of the peer's request bucket and of its IP's (``remote`` is
+        rpc's Remote; none for loopback or a relayed peer), or RateLimited, spending neither."""
+        draws = [(self.request_limit, str(remote))]
+        ip = ip_key(getattr(remote, "ip", None))
+        if ip is not None:
+            draws.append((self.ip_request_limit, ip))
+        take_all(draws)
 
     def _trusted_connected(self, now: float) -> bool:
         """Whether a peer with a lease or an accepted group is connected (a yes is reused for a second)."""
