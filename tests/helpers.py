@@ -70,7 +70,8 @@ CLI = [sys.executable, "-P", "-m", "node.cli"]  # -P: data dirs in the cwd must 
 
 
 def run_cli(*args: str, cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    """``swarmrl *args`` to completion, within ``timeout`` idle-machine seconds (stretched by ``slowdown()``)."""
+    return subprocess.run([*CLI, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout * slowdown())
 
 
 def free_port() -> int:
@@ -144,6 +145,15 @@ def _timeout_message(timeout: float, factor: float, what: str, result: object, s
     if state is not None:
         line += f" (full state: {write_failure(state())})"
     return line
+
+
+def accepts(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether something listens on ``host:port`` (a node process that has started its host)."""
+    try:
+        socket.create_connection((host, port), timeout=1).close()
+        return True
+    except OSError:
+        return False
 
 
 def wait_for(

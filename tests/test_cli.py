@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
 from node.identity import load_or_create_key, peer_id_of
-from tests.helpers import free_port, process_swarm, read_status, run_cli, wait_for
+from tests.helpers import accepts, free_port, process_swarm, read_status, run_cli, wait_for
 
 
 def test_every_help_renders():
@@ -143,7 +142,7 @@ def test_swarm_of_separate_processes(tmp_path, tiny_model_dir):
     port, trainer_id, spawn = process_swarm(tmp_path, "proc", tiny_model_dir)
     procs = [spawn("bootstrap", "boot", "--listen", f"/ip4/127.0.0.1/tcp/{port}")]
     try:
-        time.sleep(2)
+        wait_for(lambda: accepts(port), 30, "the bootstrap node to listen", procs)
         procs += [spawn("sampler", f"s{i}", "--listen", "/ip4/127.0.0.1/tcp/0") for i in range(2)]
         procs.append(spawn("trainer", "trainer", "--listen", "/ip4/127.0.0.1/tcp/0", "--max-tokens", "6"))
 

@@ -101,7 +101,7 @@ def test_a_version_is_written_while_the_next_step_runs_and_holds_exactly_the_nam
     result: dict[str, object] = {}
     stepping = threading.Thread(target=lambda: result.update(ln.step(groups(2, seed=3))))
     stepping.start()  # forward and backward run now; the optimizer step must wait for the file
-    time.sleep(0.5)
+    time.sleep(0.5)  # the thing under test: the step is still waiting for the version's file after a while
     assert stepping.is_alive() and ln.steps == 1
     assert all(torch.equal(v, named[k]) for k, v in ln.model.state_dict().items())  # nothing moved yet
     ln.write_version(version)

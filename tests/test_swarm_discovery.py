@@ -15,6 +15,7 @@ from tests.helpers import (
     LOOPBACK,
     free_port,
     node_config,
+    slowdown,
     start,
     start_bootstrap,
     start_sampler,
@@ -28,7 +29,7 @@ async def test_samplers_find_trainer_and_each_other_via_dht(tmp_path, tiny_model
         boot = await start_bootstrap(nursery, tmp_path)
         # samplers first: the trainer appears after them and must still be found
         samplers = [await start_sampler(nursery, tmp_path, f"s{i}", boot) for i in range(3)]
-        await trio.sleep(1.0)
+        await trio.sleep(1.0)  # the thing under test: they look for a trainer that is not there yet
         assert not any(s.role.discovery.trainer_found.is_set() for s in samplers)
         trainer = await start_trainer(nursery, tmp_path, boot, tiny_model_dir, max_tokens=6)
 
@@ -67,7 +68,7 @@ async def test_samplers_find_trainer_and_each_other_via_dht(tmp_path, tiny_model
 
             # the trainer's own DHT and gossip traffic may dial a sampler back between our disconnect and the
             # lookup, and a DHT lookup may come back empty on a loaded box: try again, as the discovery loop does
-            with trio.fail_after(90):
+            with trio.fail_after(90 * slowdown()):
                 while not done():
                     await s.swarm.host.disconnect(tid)
                     if s is moved:
@@ -112,7 +113,7 @@ async def test_joining_waits_for_a_bootstrap_peer_that_comes_up_late(tmp_path):
     async with trio.open_nursery() as nursery, open_swarm(load_or_create_key(tmp_path / "s.key"), LOOPBACK) as me:
 
         async def boot_later() -> None:
-            await trio.sleep(2.5)
+            await trio.sleep(2.5)  # the thing under test: the bootstrap node comes up after the sampler started
             listen = Multiaddr(f"/ip4/127.0.0.1/tcp/{port}")
             await start(nursery, node_config(tmp_path, "boot", "bootstrap", listen=listen), BootstrapRole())
 
