@@ -8,6 +8,9 @@ gossip carries only announcements and have-bitfields, chunks move over the direc
 Manifest body, format 2 (format 1, without ``format``, tensor hashes or ``patch``, is still read):
 
 - ``tensors[i].hash``: blake3 of tensor i's bytes in the version's ``model.safetensors`` (every tensor).
+- ``encoding``: ``native`` (the learner's dtypes), ``int8`` (rowwise) or ``int8-grid`` (MLX's 8-bit affine group
+  codes, U8, with bf16 ``.scales``/``.biases`` per 64 elements, each group's grid frozen from its anchor:
+  node/weights/grid.py). ``native`` and ``int8-grid`` versions may carry a patch.
 - ``patch`` (optional): the version as a sparse patch of its parent's weights file. A version reaches a node by
   one of two *routes*: ``full`` (every chunk of ``files``; only when ``files`` holds ``model.safetensors``: an
   *anchor*) or ``patch`` (the parent's weights file, rebuilt bit-exactly, plus ``patch.chunks`` and the other
@@ -51,7 +54,8 @@ MAX_REQUEST_FRAME = 1 << 16
 MAX_REPLY_FRAME = MAX_CHUNKS_PER_REQUEST * MAX_CHUNK_SIZE + (1 << 16)
 MAX_FILES = 64
 MAX_TENSORS = 1 << 16
-ENCODINGS = ("native", "int8", "fp32")  # "fp32": what "native" was called before bf16 versions
+ENCODINGS = ("native", "int8", "fp32", "int8-grid")  # "fp32": what "native" was called before bf16 versions
+PATCHED_ENCODINGS = ("native", "int8-grid")  # int8-grid: MLX int8 codes on a frozen grid (node/weights/grid.py)
 GOSSIP_MAX = 1 << 16
 # a map and a list per file and per tensor, and a list per patched tensor
 MANIFEST_CONTAINERS = 2 * MAX_FILES + 3 * MAX_TENSORS + 32
@@ -97,7 +101,8 @@ class Manifest:
     swarm: str
     version: int
     parent: int  # -1 for the first version
-    encoding: str  # how model.safetensors is stored: "native" (as published: bf16 or fp32) or "int8" (rowwise)
+    encoding: str  # how model.safetensors is stored: "native" (as published: bf16 or fp32), "int8" (rowwise) or
+    # "int8-grid" (MLX's 8-bit group codes on a grid frozen at the anchor: node/weights/grid.py)
     chunk_size: int
     files: list[FileEntry]
     tensors: list[TensorEntry]
@@ -246,8 +251,8 @@ def _parse_patch(
     tensors: list[TensorEntry],
 ) -> PatchInfo:
     """A manifest's patch section, checked against the manifest it belongs to."""
-    if encoding != "native":
-        raise s.SchemaError("only native weights travel as patches")
+    if encoding not in PATCHED_ENCODINGS:
+        raise s.SchemaError(f"{encoding} weights do not travel as patches")
     if not 0 <= parent < version:
         raise s.SchemaError("a patch needs an older parent version")
     codec = s.text(p, "codec", 16)

@@ -1,12 +1,16 @@
 """Publishing a version: a model directory (written by the learner) is cut into blake3 chunks, its manifest
 signed with the trainer's libp2p key, all of it kept in the trainer's chunk store. No torch here.
 
-Sparse patches (``patch_max_fraction`` > 0, native encoding): each version after the first is also described as a
-patch of its parent's weights file (the element bits that changed, node/weights/patch.py), computed from the
-parent's published file (kept hard-linked under ``<store>/published/``: the exact bits that went out) and the new
-one. A version travels as a patch alone, unless an anchor is due: a full version every ``anchor_every`` versions,
-whenever the patch would be larger than ``patch_max_fraction`` of the weights file, and whenever there is no
-parent to patch against (the first version, or a parent whose file fails its hashes after a restart). An anchor
+int8-grid (node/weights/grid.py): the learner's file becomes MLX int8 group codes on the grids of the last published
+version's file (each group's scale and bias frozen until the re-grid rule replaces them), so that its patches
+carry only the codes that changed.
+
+Sparse patches (``patch_max_fraction`` > 0, native or int8-grid encoding): each version after the first is also
+described as a patch of its parent's weights file (the element bits that changed, node/weights/patch.py), computed
+from the parent's published file (kept hard-linked under ``<store>/published/``: the exact bits that went out) and
+the new one. A version travels as a patch alone, unless an anchor is due: a full version every ``anchor_every``
+versions, whenever the patch would be larger than ``patch_max_fraction`` of the weights file, and whenever there is
+no parent to patch against (the first version, or a parent whose file fails its hashes after a restart). An anchor
 carries its patch too, so nodes holding the parent never download the full weights.
 """
 
@@ -22,11 +26,12 @@ from pathlib import Path
 from libp2p.crypto.keys import KeyPair
 
 from node.weights.encoding import encode_int8_file
+from node.weights.grid import GRID_ENCODING, GridRule, GridStats, encode_grid_file
 from node.weights.hashes import digest, hash_weights
 from node.weights.manifest import WEIGHTS_FILE, cut_model_dir, cut_ranges, sign_manifest
 from node.weights.patch import OverBudget, build_patch
 from node.weights.store import ChunkStore
-from protocols.weights import Manifest, PatchInfo, SignedManifest
+from protocols.weights import PATCHED_ENCODINGS, Manifest, PatchInfo, SignedManifest
 from protocols.weights_file import read_layout
 
 log = logging.getLogger(__name__)
@@ -54,6 +59,7 @@ class PublishStats:
     elements: int = 0
     patch_seconds: float = 0.0  # building the patch (compare, encode, compress, hash)
     seconds: float = 0.0  # the whole publish
+    grid: GridStats | None = None  # int8-grid: the encoding's tally (groups given a fresh grid, ...)
 
 
 class Publisher:
@@ -67,6 +73,7 @@ class Publisher:
         anchor_every: int = 10,
         patch_max_fraction: float = 0.0,
         patch_codec: str = "zlib",
+        grid_rule: GridRule | None = None,
     ) -> None:
         self.store = store
         self.key_pair = key_pair
@@ -76,6 +83,7 @@ class Publisher:
         self.anchor_every = max(1, anchor_every)
         self.patch_max_fraction = patch_max_fraction
         self.patch_codec = patch_codec
+        self.grid_rule = grid_rule or GridRule()
         self.last_version = -1
         self.links = store.root / "published"
         self._parent: Parent | None = None
@@ -85,7 +93,7 @@ class Publisher:
 
     @property
     def patches(self) -> bool:
-        return self.patch_max_fraction > 0 and self.encoding == "native"
+        return self.patch_max_fraction > 0 and self.encoding in PATCHED_ENCODINGS
 
     def staging_dir(self, version: int) -> Path:
         """Where the learner writes the model directory of ``version`` for ``publish`` to take."""
@@ -125,8 +133,13 @@ class Publisher:
             encoded = weights.with_name(weights.name + ".int8")
             encode_int8_file(weights, encoded)
             os.replace(encoded, weights)  # it may be a hard link to the learner's own copy: never write through it
-        full_bytes = weights.stat().st_size
         parent = self.parent() if self.patches else None
+        grid = None
+        if self.encoding == GRID_ENCODING:  # on the parent's grids (a parent of another layout: fresh ones)
+            encoded = weights.with_name(weights.name + ".grid")
+            grid = encode_grid_file(weights, encoded, parent.path if parent is not None else None, self.grid_rule)
+            os.replace(encoded, weights)
+        full_bytes = weights.stat().st_size
         built, patch_seconds = None, 0.0
         if parent is not None and parent.version < version and version >= self._next_patch_try:
             t1 = time.perf_counter()
@@ -195,6 +208,7 @@ class Publisher:
             built.elements if built is not None else 0,
             patch_seconds,
             time.perf_counter() - t0,
+            grid,
         )
         return mid, signed, manifest
 

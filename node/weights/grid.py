@@ -1,0 +1,327 @@
+"""int8-grid: a version in the encoding an MLX int8 sampler runs, on a grid frozen at its anchor.
+
+An MLX int8 sampler holds each quantized weight as 8-bit affine group codes (``w ~ scale * q + bias``, one scale and
+bias per group of 64 elements of a row, q in 0..255). Re-quantizing every version afresh moves scale and bias with
+every step, so every code of a group can change when one element does. Here each group keeps the scale and bias of
+its anchor (the *grid*), and a version's codes are ``clip(rint((w - bias) / scale), 0, 255)`` on that frozen grid:
+an RL step changes only the codes that cross a rounding boundary, and the patch of one grid file against its
+parent's (node/weights/patch.py, unchanged: codes are 1-byte elements) carries those codes and nothing else.
+
+The trainer computes the codes (numpy, no MLX), so the sampler loads exactly what was hashed and signed: the file's
+bytes ARE MLX's parameters (codes laid out as MLX packs them: four 8-bit codes per little-endian uint32, element 0
+in the low byte, so the U8 tensor viewed as uint32 is MLX's ``weight``; scales and biases as bf16).
+
+A group gets a fresh grid (``fresh_grid``: exactly MLX's ``mx.quantize``) at the anchor, and later only when the
+re-grid rule (``stale_groups``) says its frozen grid has drifted past the bound: an element more than
+``GridRule.excess_steps`` steps outside the grid's range (clipped), or a step more than ``GridRule.step_ratio`` times
+the one a fresh grid would take (the range shrank). Such a group costs its 64 codes and its scale and bias in the
+patch; the bound holds at every version, so no re-anchoring of the whole model is ever needed.
+
+The weights file of an int8-grid version (``encode_grid_file``): every quantizable tensor (``quantizable``: a 2-D
+float ``*.weight`` whose rows split into whole groups, what mlx-lm's ``nn.quantize`` quantizes in Llama/Qwen models)
+becomes ``<name>`` (U8 codes, same shape), ``<base>.scales`` and ``<base>.biases`` (BF16, one per group); every
+other tensor is copied as it is. Tensors are laid out widest dtype first, then by name (the header is the same for
+every version of a model, so versions patch one into another).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from protocols.weights_file import (
+    DTYPE_WIDTHS,
+    PT_METADATA,
+    LayoutError,
+    TensorEntry,
+    bf16_to_f32,
+    elements,
+    encode_header,
+    read_layout,
+    read_span,
+)
+
+GRID_ENCODING = "int8-grid"
+GROUP = 64  # elements per group (MLX's default group size)
+BITS = 8
+LEVELS = (1 << BITS) - 1  # the largest code
+EPS = np.float32(1e-7)  # MLX's smallest scale
+SCALES, BIASES = ".scales", ".biases"
+FLOATS = ("F32", "BF16", "F16")
+GROUPS_AT_ONCE = 1 << 16  # groups encoded at a time: ~30 bytes per element of temporaries
+
+
+@dataclass(frozen=True)
+class GridRule:
+    """When a group's frozen grid is replaced by a fresh one: when an element lies more than ``excess_steps`` steps
+    outside its codes 0..255 (worst error 0.5 + excess_steps steps), or its step is over ``step_ratio`` times the
+    fresh one (inside the range every error is at most half a step). A fresh MLX grid itself clips its far end by up
+    to 1.5 steps (its scale is rescaled to put zero on a code, then rounded to bf16; measured on normal weights:
+    median 0.1, 99th percentile 1.0, max 1.5), so the bound is set just past that: a frozen grid is re-gridded only
+    when it is worse than any fresh one, and never for the noise of which code zero snaps to."""
+
+    excess_steps: float = 2.0
+    step_ratio: float = 1.25
+
+
+@dataclass
+class GridStats:
+    """What one encoding did: quantized tensors, their groups, how many got a fresh grid, codes written."""
+
+    tensors: int = 0
+    groups: int = 0
+    regridded: int = 0
+    codes: int = 0
+    clipped: int = 0  # codes clipped at 0 or 255 beyond half a step (elements outside their grid's range)
+
+
+# -- pure rules --------------------------------------------------------------------------------------------------
+def quantizable(name: str, dtype: str, shape: list[int], group: int = GROUP) -> bool:
+    """Whether a tensor is held as group codes: a 2-D float weight whose rows are whole groups (mlx-lm's
+    ``nn.quantize`` quantizes exactly the Linear and Embedding weights of this shape; norms are 1-D)."""
+    return name.endswith(".weight") and dtype in FLOATS and len(shape) == 2 and shape[1] > 0 and shape[1] % group == 0
+
+
+def f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 values rounded to bf16 (nearest, ties to even, as MLX and torch round), as their uint16 bits."""
+    b = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    out = ((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(np.asarray(x, dtype=np.float32))
+    if nan.any():
+        out[nan] = np.uint16(0x7FC0)
+    return out
+
+
+def fresh_grid(groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(scale, bias) per row of ``groups`` (float32 [n, GROUP]) exactly as MLX's affine quantize computes them in
+    float32: the edge of larger magnitude is the bias, the scale is rescaled so that zero lands on a code."""
+    w_max, w_min = groups.max(axis=1), groups.min(axis=1)
+    mask = np.abs(w_min) > np.abs(w_max)
+    scale = np.maximum((w_max - w_min) / np.float32(LEVELS), EPS)
+    scale = np.where(mask, scale, -scale)
+    edge = np.where(mask, w_min, w_max)
+    q0 = np.rint(edge / scale)
+    nz = q0 != 0
+    scale = np.where(nz, edge / np.where(nz, q0, np.float32(1)), scale)
+    bias = np.where(nz, edge, np.float32(0))
+    return scale.astype(np.float32), bias.astype(np.float32)
+
+
+def codes_on(groups: np.ndarray, scale: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    """The codes of ``groups`` (float32 [n, GROUP]) on a grid (float32 [n] each): clip(rint((w - b) / s), 0, 255)."""
+    q = np.rint((groups - bias[:, None]) / scale[:, None])
+    return np.clip(q, 0, LEVELS).astype(np.uint8)
+
+
+def _excess(w_min: np.ndarray, w_max: np.ndarray, scale: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    """How far (in steps) a group's extreme weights lie outside its grid's codes 0..255 (0: none clipped)."""
+    ends = np.stack([(w_min - bias) / scale, (w_max - bias) / scale])  # a negative scale swaps them
+    return np.maximum(np.maximum(-ends.min(axis=0), ends.max(axis=0) - LEVELS), 0)
+
+
+def stale_groups(groups: np.ndarray, scale: np.ndarray, bias: np.ndarray, rule: GridRule) -> np.ndarray:
+    """Which groups' frozen grids (float32 [n] each) have drifted past ``rule`` for the weights ``groups``: an
+    extreme element more than ``rule.excess_steps`` steps outside the grid's codes, or a step over
+    ``rule.step_ratio`` times the one a fresh grid would take (range / 255)."""
+    w_max, w_min = groups.max(axis=1), groups.min(axis=1)
+    fresh_step = np.maximum((w_max - w_min) / np.float32(LEVELS), EPS)
+    return (_excess(w_min, w_max, scale, bias) > rule.excess_steps) | (np.abs(scale) > rule.step_ratio * fresh_step)
+
+
+def encode_groups(
+    groups: np.ndarray, parent: tuple[np.ndarray, np.ndarray] | None, rule: GridRule
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(codes u8 [n, GROUP], scale bf16 bits [n], bias bf16 bits [n], regridded bool [n]) of float32 ``groups``:
+    on the parent's grid (bf16 bits, or None: every group fresh), a fresh grid where that one is stale."""
+    if parent is None:
+        regrid = np.ones(len(groups), dtype=bool)
+        s_bits, b_bits = np.zeros(len(groups), np.uint16), np.zeros(len(groups), np.uint16)
+    else:
+        s_bits, b_bits = parent[0].copy(), parent[1].copy()
+        regrid = stale_groups(groups, bf16_to_f32(s_bits), bf16_to_f32(b_bits), rule)
+    if regrid.any():
+        s, b = fresh_grid(groups[regrid])
+        s_bits[regrid], b_bits[regrid] = f32_to_bf16(s), f32_to_bf16(b)
+    codes = codes_on(groups, bf16_to_f32(s_bits), bf16_to_f32(b_bits))
+    return codes, s_bits, b_bits, regrid
+
+
+def dequantize(codes: np.ndarray, scale_bits: np.ndarray, bias_bits: np.ndarray) -> np.ndarray:
+    """The float32 weights a grid holds (what MLX's kernels compute from it: scale * q + bias in float32)."""
+    q = codes.reshape(len(scale_bits), -1).astype(np.float32)
+    w = q * bf16_to_f32(scale_bits)[:, None] + bf16_to_f32(bias_bits)[:, None]
+    return w.reshape(codes.shape)
+
+
+def mlx_weight(codes: np.ndarray) -> np.ndarray:
+    """U8 codes [rows, cols] as MLX's packed quantized weight (uint32 [rows, cols / 4]): the same bytes."""
+    return np.ascontiguousarray(codes).view("<u4")
+
+
+# -- files -------------------------------------------------------------------------------------------------------
+def as_float32(raw: np.ndarray, t: TensorEntry) -> np.ndarray:
+    values = elements(raw, t)
+    return bf16_to_f32(values) if t.dtype == "BF16" else values.astype(np.float32)
+
+
+@dataclass(frozen=True)
+class _Part:
+    out: str  # name in the grid file
+    dtype: str
+    shape: list[int]
+    src: TensorEntry
+    part: str  # "codes", "scales", "biases" or "raw"
+
+
+def grid_plan(tensors: list[TensorEntry]) -> list[_Part]:
+    """The grid file's tensors for a source layout, in file order (widest dtype first, then by name)."""
+    names = {t.name for t in tensors}
+    plan: list[_Part] = []
+    for t in tensors:
+        if quantizable(t.name, t.dtype, t.shape):
+            base = t.name[: -len(".weight")]
+            if base + SCALES in names or base + BIASES in names:
+                raise LayoutError(f"{t.name!r}: the source already holds {base}{SCALES} or {base}{BIASES}")
+            groups = [t.shape[0], t.shape[1] // GROUP]
+            plan += [
+                _Part(t.name, "U8", t.shape, t, "codes"),
+                _Part(base + SCALES, "BF16", groups, t, "scales"),
+                _Part(base + BIASES, "BF16", groups, t, "biases"),
+            ]
+        else:
+            plan.append(_Part(t.name, t.dtype, t.shape, t, "raw"))
+    plan.sort(key=lambda p: (-DTYPE_WIDTHS[p.dtype], p.out))
+    return plan
+
+
+def _parent_grids(parent: Path | None, plan: list[_Part]) -> dict[str, tuple[np.ndarray, np.ndarray]] | None:
+    """The parent grid file's (scale bits, bias bits) per quantized source tensor, if it has this plan's layout."""
+    if parent is None:
+        return None
+    _head, tensors = read_layout(parent)
+    layout = {t.name: t for t in tensors}
+    if [(p.out, p.dtype, p.shape) for p in plan] != [(t.name, t.dtype, t.shape) for t in tensors]:
+        return None
+    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    with open(parent, "rb") as fh:
+        for p in plan:
+            if p.part == "codes":
+                base = p.out[: -len(".weight")]
+                s, b = layout[base + SCALES], layout[base + BIASES]
+                out[p.out] = (
+                    read_span(fh, s.offset, s.nbytes).view(np.uint16).reshape(-1),
+                    read_span(fh, b.offset, b.nbytes).view(np.uint16).reshape(-1),
+                )
+    return out
+
+
+def _encode_tensor(
+    w: np.ndarray, parent: tuple[np.ndarray, np.ndarray] | None, rule: GridRule, stats: GridStats
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    groups = w.reshape(-1, GROUP)
+    n = len(groups)
+    codes = np.empty(groups.shape, dtype=np.uint8)
+    s_bits, b_bits = np.empty(n, np.uint16), np.empty(n, np.uint16)
+    for a in range(0, n, GROUPS_AT_ONCE):
+        z = slice(a, min(a + GROUPS_AT_ONCE, n))
+        par = None if parent is None else (parent[0][z], parent[1][z])
+        codes[z], s_bits[z], b_bits[z], regrid = encode_groups(groups[z], par, rule)
+        stats.regridded += int(regrid.sum())
+        pos = (groups[z] - bf16_to_f32(b_bits[z])[:, None]) / bf16_to_f32(s_bits[z])[:, None]
+        stats.clipped += int(np.count_nonzero((pos < -0.5) | (pos > LEVELS + 0.5)))
+    stats.tensors += 1
+    stats.groups += n
+    stats.codes += w.size
+    return codes.reshape(w.shape), s_bits, b_bits
+
+
+def encode_grid_file(src: Path, dst: Path, parent: Path | None = None, rule: GridRule | None = None) -> GridStats:
+    """Write the int8-grid weights file of ``src`` (a float safetensors file) to ``dst``: on the grids of
+    ``parent`` (the previous version's grid file; None, or a file of another layout: every group fresh, an anchor).
+    One tensor in memory at a time."""
+    rule = rule or GridRule()
+    _head, tensors = read_layout(src)
+    plan = grid_plan(tensors)
+    grids = _parent_grids(parent, plan)
+    layout = encode_header([(p.out, p.dtype, p.shape) for p in plan], PT_METADATA)
+    stats = GridStats()
+    with open(src, "rb") as fh, open(dst, "wb") as out:
+        out.write(layout.head)
+        for p, parts in _grouped(plan):
+            raw = read_span(fh, p.src.offset, p.src.nbytes)
+            if p.part == "raw":
+                out.seek(layout.tensors[parts[0].index].offset)
+                out.write(raw.data)
+                continue
+            codes, s_bits, b_bits = _encode_tensor(
+                as_float32(raw, p.src), None if grids is None else grids[p.src.name], rule, stats
+            )
+            for q in parts:
+                data = {"codes": codes, "scales": s_bits, "biases": b_bits}[q.part]
+                out.seek(layout.tensors[q.index].offset)
+                out.write(np.ascontiguousarray(data).tobytes())
+    return stats
+
+
+@dataclass(frozen=True)
+class _Placed:
+    part: str
+    index: int  # position in the file's layout
+
+
+def _grouped(plan: list[_Part]) -> Iterator[tuple[_Part, list[_Placed]]]:
+    """Each source tensor once (in file order of its first part), with every part it writes and where."""
+    seen: dict[str, list[_Placed]] = {}
+    first: list[_Part] = []
+    for i, p in enumerate(plan):
+        if p.src.name not in seen:
+            seen[p.src.name] = []
+            first.append(p)
+        seen[p.src.name].append(_Placed(p.part, i))
+    for p in first:
+        yield p, seen[p.src.name]
+
+
+def read_grid(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a grid file as numpy: codes u8, scales and biases as bf16 bits (uint16), others as stored."""
+    _head, tensors = read_layout(path)
+    with open(path, "rb") as fh:
+        return {t.name: elements(read_span(fh, t.offset, t.nbytes), t) for t in tensors}
+
+
+def mlx_tensors(path: Path) -> list[tuple[str, str, np.ndarray]]:
+    """A grid file's tensors as an MLX int8 model takes them (``load_weights``): (name, safetensors dtype, numpy
+    elements), codes as MLX's packed uint32 weight, BF16 as their bits (the caller views them as bfloat16). The
+    bytes are the file's own: what was hashed is what the sampler runs."""
+    _head, tensors = read_layout(path)
+    dtypes = {t.name: t.dtype for t in tensors}
+    out = []
+    for name, values in read_grid(path).items():
+        dtype = dtypes[name]
+        coded = dtype == "U8" and name.endswith(".weight") and name[: -len(".weight")] + SCALES in dtypes
+        out.append((name, "U32", mlx_weight(values)) if coded else (name, dtype, values))
+    return out
+
+
+def dequantize_file(path: Path) -> dict[str, np.ndarray]:
+    """A grid file's weights as float32, by their source names (codes dequantized; other floats widened)."""
+    grid = read_grid(path)
+    _head, tensors = read_layout(path)
+    dtypes = {t.name: t.dtype for t in tensors}
+    coded = [n for n in grid if dtypes[n] == "U8" and n.endswith(".weight")]
+    grids = {n[: -len(".weight")] + suffix for n in coded for suffix in (SCALES, BIASES)}
+    out: dict[str, np.ndarray] = {}
+    for name, values in grid.items():
+        if name in grids:
+            continue
+        if name in coded:
+            base = name[: -len(".weight")]
+            out[name] = dequantize(values, grid[base + SCALES].reshape(-1), grid[base + BIASES].reshape(-1))
+        elif dtypes[name] == "BF16":
+            out[name] = bf16_to_f32(values)
+        else:
+            out[name] = values.astype(np.float32) if dtypes[name] in FLOATS else values
+    return out
