@@ -9,6 +9,42 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# The README's test command runs one worker per core (`-n auto --dist loadgroup`). A module is a worker's unit (its
+# module-scoped fixtures are built once); tests that build network namespaces share fixed names and the 10.77/10.78
+# subnets, and tests of the realistic fixture share its build: each of those sets runs on one worker.
+NETLAB_MODULES = ("test_wan", "test_nat")
+# The longest tests' modules go first, so that the other worker runs the many short ones beside them instead of
+# waiting at the end (longest-first scheduling).
+LONGEST_FIRST = ("test_wan_faults", "test_nat_swarm")
+
+
+def _module(item) -> str:
+    return item.module.__name__.rsplit(".", 1)[-1]
+
+
+def _groups(items) -> dict[str, str]:
+    """Each module's group: netlab, realistic (a module with a test of the realistic fixture), or itself."""
+    realistic = {_module(i) for i in items if "realistic_model_dir" in getattr(i, "fixturenames", ())}
+    return {m: "netlab" if m in NETLAB_MODULES else "realistic" if m in realistic else m for m in map(_module, items)}
+
+
+def _rank(item) -> int:
+    for i, prefix in enumerate(LONGEST_FIRST):
+        if item.name.startswith(prefix):
+            return i
+    return len(LONGEST_FIRST) + (0 if item.get_closest_marker("slow") else 1)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """One worker per group (see above); groups holding the longest tests first, collection order otherwise."""
+    groups = _groups(items)
+    first: dict[str, int] = {}
+    for item in items:
+        group = groups[_module(item)]
+        first[group] = min(first.get(group, 99), _rank(item))
+        item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: first[groups[_module(item)]])  # stable: a group keeps its collection order
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
