@@ -19,7 +19,10 @@ honest peer out for as long as they lived. The manager keeps the door open:
 - **un-negotiated streams**: a connection may have ``max_unnegotiated`` inbound streams waiting for protocol
   negotiation at once; the first one over is reset and the connection closed (2,000 such streams on one
   connection cost the honest swarm ~20% of its throughput; resetting only the excess let a peer open and have
-  reset ~1,300 streams a second, which cost more than the waiting streams did).
+  reset ~1,300 streams a second, which cost more than the waiting streams did). The process holds at most
+  ``max_unnegotiated_total`` of them (many identities at many addresses, each under its own cap, held ~7,000):
+  past that a connection gets a fair share of them, and a stream over its share is reset (its connection kept:
+  an honest peer can get there).
 
 The rules are pure functions over plain data (``Conn``, address counts), tested alone (tests/test_connmgr.py);
 ``ConnManager`` feeds them from the live host and acts through node/libp2p/conns.py. Every limit is keyed on the
@@ -65,6 +68,7 @@ class ConnLimits:
     busy_idle: float = 60.0  # seconds without a stream opening or closing before one with streams may go
     keepalive_timeout: float = 45.0  # seconds since the last unanswered ping (sent every 30 s) before it is dead
     max_unnegotiated: int = 32  # inbound streams of one connection waiting for protocol negotiation at once
+    max_unnegotiated_total: int = 1024  # ... of every connection together, before each gets only a fair share
 
 
 def conn_limits(settings: SwarmSettings) -> ConnLimits:
@@ -171,9 +175,16 @@ def pong_overdue(sent_at: float, answered: bool, now: float, timeout: float) -> 
     return sent_at > 0 and not answered and now - sent_at > timeout
 
 
-def refuse_stream(waiting: int, limits: ConnLimits) -> bool:
-    """A new inbound stream on a connection with ``waiting`` streams still negotiating their protocol."""
-    return waiting >= limits.max_unnegotiated
+def refuse_stream(waiting: int, limits: ConnLimits, total: int = 0, connections: int = 1) -> str | None:
+    """What to do with a new inbound stream on a connection with ``waiting`` streams still negotiating their
+    protocol, ``total`` such streams on the ``connections`` connections that have any: None (let it negotiate),
+    "close" (its connection is over ``max_unnegotiated``: reset it, close the connection) or "reset" (the process
+    holds ``max_unnegotiated_total`` and this connection its fair share of them, at least 1: reset it alone)."""
+    if waiting >= limits.max_unnegotiated:
+        return "close"
+    if total >= limits.max_unnegotiated_total and waiting >= max(1, limits.max_unnegotiated_total // connections):
+        return "reset"
+    return None
 
 
 # -- the manager -----------------------------------------------------------------------------------------------------
@@ -197,7 +208,11 @@ class ConnManager(INotifee):
 
     def install(self) -> None:
         mech.attach_admission(self._network, self, self.limits.max_inbound)
-        mech.cap_unnegotiated(self._network, lambda waiting: refuse_stream(waiting, self.limits), self._refused_stream)
+        mech.cap_unnegotiated(
+            self._network,
+            lambda waiting, total, connections: refuse_stream(waiting, self.limits, total, connections),
+            self._refused_stream,
+        )
         self._network.register_notifee(self)
 
     # -- who is protected
@@ -354,9 +369,16 @@ class ConnManager(INotifee):
         finally:
             self._closing.difference_update(id(c) for c in victims)
 
-    def _refused_stream(self, conn: INetConn | None, peer: ID) -> None:
-        """A stream over the cap: it is reset; its connection is closed (no honest peer gets there)."""
+    def _refused_stream(self, conn: INetConn | None, peer: ID, verdict: str) -> None:
+        """A stream over a cap: it is reset; over its connection's cap ("close"), its connection is closed too (no
+        honest peer gets there)."""
         self.counts["streams_refused"] += 1
+        if verdict != "close":
+            self.counts["streams_refused_total"] += 1
+            log.log(logging.INFO if self.counts["streams_refused_total"] == 1 else logging.DEBUG,
+                    "resetting a stream of %s: %d streams wait for protocol negotiation in all",
+                    peer, self.limits.max_unnegotiated_total)  # fmt: skip
+            return
         if conn is None or id(conn) in self._closing or self._nursery is None:
             return
         self.counts["closed_for_streams"] += 1

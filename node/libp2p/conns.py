@@ -8,10 +8,10 @@
   an ``Admission`` asked first when one is attached to the swarm (``attach_admission``): it may refuse the
   address, and when every slot is taken it may close a connection it picks and let the newcomer wait briefly for
   that slot. With none attached it does what upstream does.
-- ``cap_unnegotiated``: wraps the swarm's entry for inbound streams (after the allow-list gate, if any) so a
-  connection's streams still negotiating their protocol are counted, and one over the cap is reset on arrival
-  and reported (py-libp2p bounds concurrent negotiations only for QUIC; each waits up to 10 s for a peer that
-  never speaks).
+- ``cap_unnegotiated``: wraps the swarm's entry for inbound streams (after the allow-list gate, if any) so the
+  streams still negotiating their protocol are counted, per connection and in all, and one the manager refuses
+  is reset on arrival and reported (py-libp2p bounds concurrent negotiations only for QUIC; each waits up to
+  10 s for a peer that never speaks).
 - ``ping_state``: yamux's keepalive (a ping every 30 s, ``Yamux._measure_rtt_loop``) never acts on a missing
   pong; this reads when the last ping went out and whether it was answered.
 - ``is_inbound``, ``remote_ip``: a connection's direction and the IP of its transport's remote end.
@@ -120,14 +120,20 @@ async def _close_quietly(read_write_closer: Any) -> None:
 
 
 def cap_unnegotiated(
-    network: INetwork, refuse: Callable[[int], bool], refused: Callable[[INetConn | None, ID], None]
+    network: INetwork,
+    decide: Callable[[int, int, int], str | None],
+    refused: Callable[[INetConn | None, ID, str], None],
 ) -> None:
-    """Reset an inbound stream on arrival when ``refuse(n)`` says so, n being the streams of its connection still
-    negotiating a protocol, and tell ``refused`` (its swarm connection, its peer). Wraps whatever entry the swarm
-    has now (install the allow-list gate first)."""
+    """Ask ``decide(here, total, connections)`` about every inbound stream on arrival (``here``: streams of its
+    connection still negotiating a protocol; ``total``: of every connection; ``connections``: how many have any);
+    a verdict other than None resets the stream and tells ``refused`` (its swarm connection, its peer, the
+    verdict). Wraps whatever entry the swarm has now (install the allow-list gate first)."""
     swarm: Any = network
     inner = swarm.common_stream_handler
-    waiting: dict[int, set[INetStream]] = {}  # id(muxed connection) -> its streams not yet negotiated
+    waiting: dict[int, set[INetStream]] = {}  # id(muxed connection) -> its streams not yet known to be negotiated
+
+    def prune(pending: set[INetStream]) -> None:
+        pending.difference_update([s for s in pending if s.get_protocol() is not None])
 
     async def capped(stream: INetStream) -> None:
         key = id(stream.muxed_conn)
@@ -135,9 +141,16 @@ def cap_unnegotiated(
         if pending is None:
             pending = waiting[key] = set()
         else:  # negotiated since the last arrival: no longer counted
-            pending.difference_update([s for s in pending if s.get_protocol() is not None])
-        if refuse(len(pending)):
-            refused(getattr(stream, "swarm_conn", None), stream.muxed_conn.peer_id)
+            prune(pending)
+        verdict = decide(len(pending), *_totals(waiting))
+        if verdict is not None:  # other connections' counts may be stale (too high): count again, then decide
+            for other in waiting.values():
+                prune(other)
+            verdict = decide(len(pending), *_totals(waiting))
+        if verdict is not None:
+            if not pending and waiting.get(key) is pending:
+                del waiting[key]
+            refused(getattr(stream, "swarm_conn", None), stream.muxed_conn.peer_id, verdict)
             try:
                 await stream.reset()
             except Exception:
@@ -152,6 +165,11 @@ def cap_unnegotiated(
                 del waiting[key]
 
     network.set_stream_handler(capped)
+
+
+def _totals(waiting: dict[int, set[INetStream]]) -> tuple[int, int]:
+    """(streams counted in all, connections with any counted)."""
+    return sum(len(p) for p in waiting.values()), max(1, sum(1 for p in waiting.values() if p))
 
 
 def ping_state(conn: INetConn) -> tuple[float, bool]:
