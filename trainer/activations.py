@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A sharded (DTensor) parameter's own shard; any other tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class ActivationMeter:
@@ -13,12 +19,12 @@ class ActivationMeter:
     """
 
     def __init__(self, params: list[torch.nn.Parameter]) -> None:
-        self._params = {p.untyped_storage().data_ptr() for p in params}
+        self._params = {local(p).untyped_storage().data_ptr() for p in params}
         self._seen: dict[int, int] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
+        storage = local(t).untyped_storage()
         ptr = storage.data_ptr()
         if ptr not in self._params:
             self._seen[ptr] = storage.nbytes()

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers import PreTrainedModel
 
 from trainer.tasks import EVAL_SEED_BASE, Task
 from trainer.text import TextCodec
+
+# greedy completions of a batch of prompts of one length (token ids in, completion ids out)
+Generate = Callable[[list[list[int]]], list[list[int]]]
 
 
 @torch.no_grad()
@@ -14,16 +19,11 @@ def evaluate(
     model: PreTrainedModel, task: Task, codec: TextCodec, n: int = 64, max_tokens: int = 8
 ) -> dict[str, float]:
     """Mean reward and exact accuracy of greedy completions on ``n`` held-out prompts."""
-    seeds = [EVAL_SEED_BASE + i for i in range(n)]
-    by_len: dict[int, list[tuple[int, list[int]]]] = {}
-    for seed in seeds:
-        ids = codec.encode_prompt(task.prompt(seed))
-        by_len.setdefault(len(ids), []).append((seed, ids))
-    rewards, solved = [], []
     model.eval()
     eos = list(codec.eos_ids)
-    for batch in by_len.values():
-        ids = torch.tensor([p for _, p in batch])
+
+    def generate(prompts: list[list[int]]) -> list[list[int]]:
+        ids = torch.tensor(prompts)
         out = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
@@ -32,7 +32,21 @@ def evaluate(
             eos_token_id=eos,
             pad_token_id=eos[0] if eos else 0,
         )
-        for (seed, _), row in zip(batch, out[:, ids.shape[1] :].tolist(), strict=True):
+        return out[:, ids.shape[1] :].tolist()
+
+    return evaluate_with(generate, task, codec, n)
+
+
+def evaluate_with(generate: Generate, task: Task, codec: TextCodec, n: int) -> dict[str, float]:
+    """``evaluate`` with any greedy generator (a sharded learner's runs on every rank at once)."""
+    seeds = [EVAL_SEED_BASE + i for i in range(n)]
+    by_len: dict[int, list[tuple[int, list[int]]]] = {}
+    for seed in seeds:
+        ids = codec.encode_prompt(task.prompt(seed))
+        by_len.setdefault(len(ids), []).append((seed, ids))
+    rewards, solved = [], []
+    for batch in by_len.values():
+        for (seed, _), row in zip(batch, generate([p for _, p in batch]), strict=True):
             text = codec.completion_text(row)
             rewards.append(task.reward(seed, text))
             solved.append(task.solved(seed, text))

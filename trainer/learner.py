@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import PreTrainedModel
 
 from protocols.draw import TokenDraw
 from trainer.activations import ActivationMeter
@@ -88,27 +89,40 @@ class Learner:
         self.precision: Precision = resolve(settings.device, settings.dtype, settings.publish_dtype)
         info = inspect_model_dir(model_dir)
         self.codec = TextCodec(load_tokenizer(model_dir), info.eos_ids, settings.chat_template)
-        self.model = load_model(model_dir, torch.float32, self.precision.device).eval()
-        if settings.activation_checkpointing:
-            self.model.activation_checkpointing_enable()
-            self.model.config.use_cache = False
+        # policy: what forward passes run (the model itself here; a sharded learner's wraps it, trainer/sharded.py)
+        self.model, self.policy = self._load_policy(model_dir)
         self.optimizer = adamw(list(self.model.parameters()), settings.lr)
         self.activations = ActivationMeter(list(self.model.parameters()))
         self.activation_bytes = 0  # the largest micro-batch's activations in the last step
         self.time_forward = self.time_backward = 0.0  # the last step's, summed over its micro-batches (seconds)
         self.forward_tokens = 0  # prompt and completion tokens the last step's forward passes took (unpadded)
         self.loss_cfg = LossConfig(settings.clip_low, settings.clip_high, settings.tis_cap, settings.kl_beta)
-        self.ref_model = None
-        if settings.kl_beta > 0:
-            self.ref_model = load_model(model_dir, self.precision.scoring, self.precision.device).eval()
+        self.ref_model = self._load_reference(model_dir) if settings.kl_beta > 0 else None
         self.version = 0
         self.steps = 0
         self._written = threading.Event()  # the named version's file is on disk (the weights may change again)
         self._written.set()
-        self.scorer = Scorer(
-            model_dir, self.precision, keep_versions, Path(work_dir) / "versions", settings.micro_batch_tokens
-        )
+        self.scorer = self._make_scorer(model_dir, keep_versions, Path(work_dir) / "versions")
         self._name_version(0)
+
+    # -- what a sharded learner (trainer/sharded.py) does its own way ------------------------------------
+    def _load_policy(self, model_dir: Path) -> tuple[PreTrainedModel, torch.nn.Module]:
+        """The fp32 model, and what its forward passes run (here the same)."""
+        model = load_model(model_dir, torch.float32, self.precision.device).eval()
+        if self.settings.activation_checkpointing:
+            model.activation_checkpointing_enable()
+            model.config.use_cache = False
+        return model, model
+
+    def _load_reference(self, model_dir: Path) -> torch.nn.Module:
+        return load_model(model_dir, self.precision.scoring, self.precision.device).eval()
+
+    def _make_scorer(self, model_dir: Path, keep: int, root: Path) -> Scorer:
+        return Scorer(model_dir, self.precision, keep, root, self.settings.micro_batch_tokens)
+
+    def _clip_gradients(self) -> float:
+        """Clip the gradients' global norm to ``grad_clip``; the norm before clipping."""
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip).item()
 
     # -- training ----------------------------------------------------------------------------------------
     def backward(self, groups: list[Group]) -> tuple[LossStats, int]:
@@ -130,7 +144,7 @@ class Learner:
     def step(self, groups: list[Group]) -> dict[str, float]:
         """One GRPO optimizer step on ``groups``; returns its metrics."""
         totals, n_tokens = self.backward(groups)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip).item()
+        grad_norm = self._clip_gradients()
         t0 = time.perf_counter()
         self._written.wait()  # a version being written still reads these weights
         waited = time.perf_counter() - t0
@@ -155,7 +169,14 @@ class Learner:
             "time_forward": self.time_forward,
             "time_backward": self.time_backward,
             "forward_tokens": self.forward_tokens,
+            **self._device_memory(),
         }
+
+    def _device_memory(self) -> dict[str, float]:
+        """On CUDA, the peak of memory allocated on this rank's GPU so far (MB): what bench/gpu.sh reports."""
+        if self.precision.device.type != "cuda":
+            return {}
+        return {"device_peak_mb": round(torch.cuda.max_memory_allocated(self.precision.device) / (1 << 20), 1)}
 
     def _accumulate(self, rows: list[Row], n_tokens: int) -> LossStats:
         """Forward and backward one micro-batch; its loss is scaled by the whole batch's token count, so the summed
@@ -164,7 +185,7 @@ class Learner:
         device = self.precision.device
         t0 = time.perf_counter()
         with self.precision.autocast(), self.activations:
-            logp, mask = token_logprobs(self.model, prompts, comps, temps)
+            logp, mask = token_logprobs(self.policy, prompts, comps, temps)
             ref = None
             if self.ref_model is not None:
                 with torch.no_grad():
@@ -255,8 +276,15 @@ class Learner:
             "step": self.steps,
         }
 
-    def restore(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+    def restore(self, state: dict[str, Any], path: Path | None = None) -> None:
+        """Resume from ``state`` (read from ``path``): this learner's own checkpoint, or one that N ranks wrote
+        (its model and optimizer in a DCP directory, trainer/sharded_state.py)."""
+        if "dcp" in state:
+            from trainer.sharded_state import load_unsharded
+
+            load_unsharded(self.model, self.optimizer, Path(state["dcp"]))
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         self.steps = state["step"]
         self._name_version(state["version"])

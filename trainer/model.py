@@ -57,13 +57,23 @@ SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float1
 TORCH_DTYPES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 
+def published_state(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """What a version file holds: the state dict by name, tied aliases left out (as save_pretrained does)."""
+    skip = tied_keys(model)
+    return {k: v for k, v in sorted(model.state_dict().items()) if k not in skip}
+
+
+def weights_header(state: dict[str, torch.Tensor], dtype: torch.dtype):
+    """The safetensors header of ``state`` in ``dtype`` (shapes only: a sharded tensor's are its global ones)."""
+    return encode_header([(name, SAFETENSORS_DTYPES[dtype], list(t.shape)) for name, t in state.items()], PT_METADATA)
+
+
 def write_weights(model: PreTrainedModel, path: Path, dtype: torch.dtype) -> None:
     """The model's weights as one safetensors file in ``dtype`` (atomically; tied aliases left out, as
     save_pretrained does). Streamed tensor by tensor: the safetensors library would first serialise the whole
     model into one bytes object, a full extra copy at the trainer's peak."""
-    skip = tied_keys(model)
-    state = {k: v for k, v in sorted(model.state_dict().items()) if k not in skip}
-    layout = encode_header([(name, SAFETENSORS_DTYPES[dtype], list(t.shape)) for name, t in state.items()], PT_METADATA)
+    state = published_state(model)
+    layout = weights_header(state, dtype)
     tmp = path.with_suffix(".tmp")
     with open(tmp, "wb") as fh:
         fh.write(layout.head)
@@ -164,9 +174,31 @@ def completion_logits(
         cols += range(len(p) - 1, len(p) - 1 + len(c))  # the position whose logits predict completion token t
         slots += range(len(c))
         targets += c
-    hidden = model.base_model(input_ids=ids.to(device), attention_mask=attn.to(device)).last_hidden_state
-    picked = hidden[torch.tensor(rows, device=device), torch.tensor(cols, device=device)]
-    return model.get_output_embeddings()(picked).float(), rows, slots, targets
+    r, c = torch.tensor(rows, device=device), torch.tensor(cols, device=device)
+    return logits_at(model, ids.to(device), attn.to(device), r, c).float(), rows, slots, targets
+
+
+def logits_at(
+    model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor
+) -> torch.Tensor:
+    """The output head's logits at (rows, cols) only. A ``LogitsAt`` wrapper runs it as its own forward."""
+    if isinstance(model, LogitsAt):
+        return model(ids, attn, rows, cols)
+    hidden = model.base_model(input_ids=ids, attention_mask=attn).last_hidden_state
+    return model.get_output_embeddings()(hidden[rows, cols])
+
+
+class LogitsAt(torch.nn.Module):
+    """A causal LM whose ``forward`` is ``logits_at``: sharded (FSDP2), the root's parameters (embeddings, final norm,
+    output head) are gathered around a module's ``forward`` only, and the logits must not come from the HF forward,
+    which computes them at every position."""
+
+    def __init__(self, lm: PreTrainedModel) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids: torch.Tensor, attn: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        return logits_at(self.lm, ids, attn, rows, cols)
 
 
 def token_logprobs(
@@ -188,3 +220,16 @@ def token_logprobs(
     out = out.index_put((r, s), lp.squeeze(-1))
     mask[r, s] = 1.0
     return out, mask
+
+
+def rank_micro_batches(lengths: list[int], world: int, token_budget: int) -> list[list[list[int]]]:
+    """Each rank's micro-batches (row indices) for one data-parallel pass: rows dealt longest first, round robin (so
+    every rank gets about the same tokens), each rank's cut by ``micro_batches``; every rank gets the same number of
+    micro-batches, padded with empty ones (a rank with none left still runs the collectives: an idle pass)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    mine = [order[r::world] for r in range(world)]
+    plans = [
+        [[rows[i] for i in idx] for idx in micro_batches([lengths[i] for i in rows], token_budget)] for rows in mine
+    ]
+    count = max((len(p) for p in plans), default=0)
+    return [p + [[] for _ in range(count - len(p))] for p in plans]

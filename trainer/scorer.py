@@ -23,7 +23,7 @@ from trainer.model import completion_logits, load_model, load_weights_into, micr
 class Scorer:
     def __init__(self, model_dir: Path, precision: Precision, keep: int, root: Path, token_budget: int) -> None:
         self.precision = precision
-        self.model = load_model(model_dir, precision.scoring, precision.device).eval()
+        self.model = self._load_model(model_dir)
         self.keep = keep
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -34,6 +34,9 @@ class Scorer:
         self._loaded: int | None = None
         self._lock = threading.Lock()
         self.switches = 0  # how often the scoring model moved to another version
+
+    def _load_model(self, model_dir: Path) -> torch.nn.Module:
+        return load_model(model_dir, self.precision.scoring, self.precision.device).eval()
 
     def path(self, version: int) -> Path:
         return self.root / f"v{version}.safetensors"
