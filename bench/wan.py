@@ -15,10 +15,15 @@ Python), so part of the swarm's gap to the ideal is CPU time, not link time.
 ``--delta``: versions are bf16 and rounds alternate a version shipped whole (``full``) and one shipped as a sparse
 patch of its parent (``patch``, the product's default), both swarming; each version is one AdamW-sized step
 (every fp32 master weight moved by ``--delta-lr``, as Adam's first step does) from the last. Prints time to all
-samplers, full against patch. bench/delta.py runs this mode on real trained versions and records it.
+samplers, full against patch, against the ideal and the ideal + 3 round trips of the slowest path, with the CPU
+share beside it; appends a dated block to bench/results/wan.txt and plots bench/results/wan_delta.png. A first,
+uncounted ``warmup`` patch gives the origin a patch size to cut pieces by. ``--patch-only`` skips the full rounds;
+``--no-push`` runs the origin without push (announce, then requests only: the baseline).
+bench/delta.py runs this mode on real trained versions and records it.
 
     sudo .venv/bin/python bench/wan.py [--samplers 12] [--origin-mbps 100] [--rounds 2]
     sudo .venv/bin/python bench/wan.py --delta [--samplers 6] [--layers 10 --hidden 512] [--link-scale 1]
+    sudo nice -n 19 .venv/bin/python bench/wan.py --delta --patch-only --rounds 3 [--no-push]
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
@@ -71,6 +77,12 @@ def status(root: Path, name: str) -> dict:
 def access_links(n: int, link_scale: float) -> list[tuple[float, float]]:
     """(down, up) Mbit/s of each sampler."""
     return [(ACCESS[i % len(ACCESS)][0] * link_scale, ACCESS[i % len(ACCESS)][1] * link_scale) for i in range(n)]
+
+
+def slowest_rtt(n: int) -> float:
+    """Seconds: the longest round trip between any two of the regions the origin (na) and ``n`` samplers sit in."""
+    used = {"na", *(REGIONS[i % len(REGIONS)] for i in range(n))}
+    return max(link.rtt_ms for link in wan_links() if link.a in used and link.b in used) / 1e3
 
 
 def ideal_time(size: int, n: int, origin_mbps: float, link_scale: float) -> float:
@@ -187,16 +199,22 @@ def main() -> int:
     ap.add_argument("--delta", action="store_true", help="bf16 versions, full against patch (see above)")
     ap.add_argument("--delta-lr", type=float, default=1e-6, help="with --delta: each version's step per weight")
     ap.add_argument("--chunk-kib", type=int, default=1024, help="the origin's largest chunk (the product's default)")
+    ap.add_argument("--patch-only", action="store_true", help="with --delta: patch rounds only (no full rounds)")
+    ap.add_argument("--no-push", action="store_true", help="with --delta: the origin announces only (the baseline)")
     args = ap.parse_args()
     why = lab_unavailable()
     if why:
         console.print(f"[red]bench/wan needs a network lab: {why}")
         return 2
     pair = ("full", "patch") if args.delta else ("swarm", "naive")
+    if args.delta and args.patch_only:
+        pair = ("patch",)
     modes = [m for _ in range(args.rounds) for m in pair]
     origin_args = ("--chunk-size", str(args.chunk_kib << 10))
     if args.delta:
+        modes = ["warmup", *modes]
         origin_args += ("--delta", "--delta-lr", str(args.delta_lr))
+        origin_args += ("--no-push",) if args.no_push else ()
     with TemporaryDirectory(prefix="swarmrl-wan-") as tmp, Progress(console=console) as progress:
         root = Path(tmp)
         model = build_random_model(root / "model", layers=args.layers, hidden=args.hidden)
@@ -258,20 +276,27 @@ def delta_lines(rounds: list[Round], samplers: int, origin_mbps: float, link_sca
     """Full against patch rounds: per mode, bytes fetched, time to all, median, ideal; then the ratio."""
     lines = []
     means = {}
+    rtt = slowest_rtt(samplers)
     for mode in ("full", "patch"):
         mine = [r for r in rounds if r.mode == mode]
+        if not mine:
+            continue
         size = statistics.mean(r.size for r in mine)
         means[mode] = t_all = statistics.mean(r.t_all for r in mine)
         ideal = ideal_time(int(size), samplers, origin_mbps, link_scale)
         median = statistics.mean(statistics.median(r.arrivals) for r in mine)
+        target = ideal + 3 * rtt
         lines.append(
             f"{mode}: {size / 1e6:.3f} MB per version, time to all {t_all:.2f} s (rounds: "
             f"{' '.join(f'{r.t_all:.2f}' for r in mine)}), median {median:.2f} s, "
-            f"ideal {ideal:.2f} s, origin upload {statistics.mean(r.uploaded for r in mine) / size:.2f}x, "
-            f"CPU at most {max(r.cpu_share for r in mine):.0%}"
+            f"ideal {ideal:.2f} s, ideal + 3 RTT ({rtt * 1e3:.0f} ms) {target:.2f} s: "
+            f"{'within' if t_all <= target else 'over'} by {abs(t_all - target):.2f} s, "
+            f"origin upload {statistics.mean(r.uploaded for r in mine) / size:.2f}x, "
+            f"CPU share of the machine per round {' '.join(f'{r.cpu_share:.0%}' for r in mine)}"
         )
         lines.append(f"  {mode}, median over samplers and rounds: {phase_line(mine)}")
-    lines.append(f"time to all samplers, full / patch = {means['full'] / means['patch']:.1f}x")
+    if len(means) == 2:
+        lines.append(f"time to all samplers, full / patch = {means['full'] / means['patch']:.1f}x")
     return lines
 
 
@@ -290,24 +315,50 @@ def phase_line(rounds: list[Round]) -> str:
 
 
 def report_delta(rounds: list[Round], args: argparse.Namespace) -> None:
-    for line in delta_lines(rounds, args.samplers, args.origin_mbps, args.link_scale):
+    lines = delta_lines(rounds, args.samplers, args.origin_mbps, args.link_scale)
+    for line in lines:
         console.print(line)
+    when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    head = (
+        f"\n## {when}: bench/wan --delta{' --patch-only' if args.patch_only else ''}"
+        f"{' --no-push' if args.no_push else ' (push)'}: {args.samplers} samplers, origin {args.origin_mbps:g} "
+        f"Mbit/s, access links x{args.link_scale:g}, lr {args.delta_lr:g}, {args.layers} layers x {args.hidden}, "
+        f"{args.rounds} rounds per mode (nice 19 on a shared 2-core box: see the CPU share)\n"
+    )
+    RESULTS.mkdir(exist_ok=True)
+    with open(RESULTS / "wan.txt", "a") as fh:
+        fh.write(head + "\n".join(lines) + "\n")
+    patch = [r for r in rounds if r.mode == "patch"]
+    if patch:
+        size = int(statistics.mean(r.size for r in patch))
+        ideal = ideal_time(size, args.samplers, args.origin_mbps, args.link_scale)
+        name = "wan_delta_nopush.png" if args.no_push else "wan_delta.png"
+        plot(
+            patch,
+            ideal,
+            RESULTS / name,
+            f"{args.samplers} samplers, {size / 1e6:.2f} MB patch{', no push' if args.no_push else ', push'}",
+            target=ideal + 3 * slowest_rtt(args.samplers),
+        )
+        console.print(f"appended to {RESULTS / 'wan.txt'}, plotted {RESULTS / name}")
 
 
-def plot(rounds: list[Round], ideal: float, path: Path, title: str) -> None:
+def plot(rounds: list[Round], ideal: float, path: Path, title: str, target: float | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    colors = {"swarm": "tab:blue", "naive": "tab:red"}
+    colors = {"swarm": "tab:blue", "naive": "tab:red", "patch": "tab:blue", "full": "tab:red"}
     seen = set()
     for r in rounds:
         ys = [(i + 1) / len(r.arrivals) for i in range(len(r.arrivals))]
         ax.step(r.arrivals, ys, where="post", color=colors[r.mode], label=r.mode if r.mode not in seen else None)
         seen.add(r.mode)
-    ax.axvline(ideal, color="black", linestyle="--", label=f"ideal {ideal:.1f} s")
+    ax.axvline(ideal, color="black", linestyle="--", label=f"ideal {ideal:.2f} s")
+    if target is not None:
+        ax.axvline(target, color="gray", linestyle=":", label=f"ideal + 3 RTT {target:.2f} s")
     ax.set_xlabel("seconds after publish")
     ax.set_ylabel("fraction of samplers holding the version")
     ax.set_title(f"bench/wan: {title}")

@@ -10,7 +10,9 @@ downloads from the origin alone.
 ``--delta`` (the origin): versions are bf16 and travel as sparse patches of their parent, except in ``full`` mode,
 where the version is shipped whole (no patch). Each new version is one step of ``--delta-lr`` per fp32 master weight
 (the size of Adam's first step), or, with ``--versions DIR``, the model dirs ``DIR/v0``, ``DIR/v1``, ... published
-in turn (real trained versions, bench/delta.py).
+in turn (real trained versions, bench/delta.py). Mode ``warmup`` publishes a patch the driver does not count (the
+piece size follows the last patch's size: this gives it one). Unless ``--no-push``, the origin pushes each small
+version to the samplers as it announces it (node/weights/server.py, OriginPush), and pieces are sized for that.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from node.weights.chain import Step
 from node.weights.outbox import Outbox
 from node.weights.patch import WeightChanges
 from node.weights.publish import Publisher
-from node.weights.server import WeightServer
+from node.weights.server import OriginPush, WeightServer
 from node.weights.store import ChunkStore
 from node.weights.sync import WeightSync, swarm_peers
 from protocols.weights import Manifest
@@ -60,8 +62,9 @@ class Origin:
         delta_lr: float = 1e-6,
         versions: Path | None = None,
         chunk_size: int = 1 << 20,
+        push: bool = True,
     ) -> None:
-        self.config, self.model_dir, self.root = config, model_dir, root
+        self.config, self.model_dir, self.root, self.push = config, model_dir, root, push
         self.delta, self.delta_lr, self.versions, self.chunk_size = delta, delta_lr, versions, chunk_size
         self.store = ChunkStore(config.data_dir / "store")
         self.server = WeightServer(self.store, origin=True)
@@ -83,7 +86,14 @@ class Origin:
             )
         else:
             self.publisher = Publisher(self.store, key, self.config.swarm, chunk_size=self.chunk_size)
-        self.outbox = Outbox(self.publisher, self.stage, swarm.gossip, self.config.swarm, on_published=self.note)
+        self.outbox = Outbox(
+            self.publisher,
+            self.stage,
+            swarm.gossip,
+            self.config.swarm,
+            on_published=self.note,
+            pusher=OriginPush(self.server) if self.push else None,
+        )
 
     def stage(self, version: int, staging: Path) -> Path:
         """Blocking: write ``version``'s model dir at ``staging``, where the publisher takes it."""
@@ -111,6 +121,8 @@ class Origin:
             "bytes": manifest.total_size,
             "update_bytes": manifest.update_size,
             "patch": manifest.patch is not None,
+            "chunk_size": manifest.chunk_size,
+            "chunks": len(manifest.patch.chunks) if manifest.patch is not None else len(manifest.all_chunks()),
         }
         (self.root / "published.json").write_text(json.dumps(self.published))
         self.version = version
@@ -137,7 +149,11 @@ class Origin:
                 await trio.sleep(0.05)
 
     def status(self) -> dict[str, Any]:
-        return {"version": self.version, "bytes_uploaded": self.server.bytes_served}
+        return {
+            "version": self.version,
+            "bytes_uploaded": self.server.bytes_served,
+            "bytes_pushed": self.server.bytes_pushed,
+        }
 
 
 class Fetcher:
@@ -199,6 +215,7 @@ class Fetcher:
             "got": {str(k): v for k, v in self.got.items()},
             "phases": {str(k): v for k, v in self.phases.items()},
             "bytes_uploaded": self.server.bytes_served,
+            "push": {"took": self.sync.pushed_chunks, "relayed": self.sync.relayed_chunks},
         }
 
 
@@ -214,6 +231,7 @@ def main() -> None:
     p.add_argument("--delta-lr", type=float, default=1e-6, help="origin, --delta: each version's step per weight")
     p.add_argument("--versions", type=Path, help="origin, --delta: publish DIR/v0, DIR/v1, ... in turn")
     p.add_argument("--chunk-size", type=int, default=1 << 20, help="origin: largest chunk in bytes")
+    p.add_argument("--no-push", action="store_true", help="origin: announce only (the baseline: no push)")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     config = NodeConfig(
@@ -226,7 +244,7 @@ def main() -> None:
     )
     if args.role == "origin":
         role: Origin | Fetcher = Origin(
-            config, args.model, args.root, args.delta, args.delta_lr, args.versions, args.chunk_size
+            config, args.model, args.root, args.delta, args.delta_lr, args.versions, args.chunk_size, not args.no_push
         )
     else:
         role = Fetcher(config, args.root)

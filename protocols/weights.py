@@ -31,6 +31,21 @@ Manifest body, format 2 (format 1, without ``format``, tensor hashes or ``patch`
       value stream  per changed position, LEB128 of zigzag(d), d = new bits - old bits of the element taken as
                     unsigned integers of the element's width modulo 2^width, as a signed integer of that width
   A rebuilt weights file is used only if its header and every tensor match their blake3 hashes.
+
+Push (``PUSH_PROTOCOL_ID``, one stream carrying one message after another, each answered in order): the origin
+sends the first copies of a small new version's chunks (its update route: the patch, or the whole version; at most
+``MAX_PUSH_VERSION`` bytes) to its connected samplers as it announces the version, so no manifest, have or chunk
+request round trip precedes them; each receiver relays the chunks the origin gave it to the others at once.
+
+- ``push`` ``{id, chunks: [[hash, bytes], ...]}``: at most ``MAX_PUSH_CHUNKS`` chunks of manifest ``id``, at most
+  ``MAX_PUSH_BYTES`` in all, each at most the manifest's ``chunk_size``. The origin's first push to a peer also
+  carries ``manifest`` (the signed manifest, as a ``get_manifest`` reply) and ``plan``: ``peers`` (at most
+  ``MAX_PUSH_PEERS`` peer ids, as bytes) and ``pieces`` (at most ``MAX_PUSH_PIECES`` indices into the manifest's
+  ``all_chunks()``): piece ``k`` goes first to ``peers[k % len(peers)]``, who relays it to the other peers.
+- reply ``pushed`` ``{took}``: how many of the message's chunks were new here and stored.
+
+A receiver takes a chunk only of a version it chases, checked against its blake3 (a bad one is a strike), and
+only from the origin or from the peer the origin's plan names for that chunk: every other push is refused unread.
 """
 
 from __future__ import annotations
@@ -63,6 +78,15 @@ SIGN_DOMAIN = b"swarmrl-manifest-v1:"
 MANIFEST_FORMAT = 2
 WEIGHTS_FILE = "model.safetensors"
 PATCH_CODECS = ("zlib", "lzma")
+PUSH_PROTOCOL_ID = "/swarmrl/weights/push/1.0.0"
+MAX_PUSH_CHUNKS = 64  # chunks in one push message
+MAX_PUSH_BYTES = 1 << 20  # chunk bytes in one push message (a chunk bigger than this is never pushed)
+MAX_PUSH_PEERS = 64  # peers a plan names
+MAX_PUSH_PIECES = 4096  # chunks a plan assigns
+MAX_PUSH_VERSION = 32 << 20  # update bytes of the largest version pushed (larger ones are only requested)
+MAX_PUSH_FRAME = MAX_MANIFEST_BODY + MAX_PUSH_BYTES + (1 << 17)  # the manifest, the chunks, the plan and framing
+MAX_PUSH_REPLY = 1 << 10
+PUSH_CONTAINERS = 2 * MAX_PUSH_CHUNKS + 16
 INDEX_GAPS, INDEX_BITMAP = 0, 1
 
 
@@ -421,3 +445,73 @@ def announce(version: int, manifest_id: bytes) -> dict[str, Any]:
 def parse_announce(m: dict[str, Any]) -> tuple[int, bytes]:
     s.expect_type(m, "announce")
     return s.integer(m, "version", 0, 1 << 40), s.blob(m, "id", HASH_LEN, exact=HASH_LEN)
+
+
+# -- push (see the module docstring) ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class PushPlan:
+    """Who gets each pushed chunk first from the origin: ``pieces[k]`` (an index into ``all_chunks()``) goes to
+    ``peers[k % len(peers)]``."""
+
+    peers: list[bytes]
+    pieces: list[int]
+
+    def first_holder(self) -> dict[int, bytes]:
+        """Chunk index -> the peer (id bytes) the origin sends it to first."""
+        return {i: self.peers[k % len(self.peers)] for k, i in enumerate(self.pieces)}
+
+
+@dataclass(frozen=True)
+class Push:
+    mid: bytes
+    chunks: list[tuple[bytes, bytes]]
+    manifest: SignedManifest | None = None  # the origin's first push to a peer
+    plan: PushPlan | None = None
+
+
+def push(
+    mid: bytes,
+    chunks: list[tuple[bytes, bytes]],
+    manifest: SignedManifest | None = None,
+    plan: PushPlan | None = None,
+) -> dict[str, Any]:
+    out: dict[str, Any] = {"v": WIRE_VERSION, "t": "push", "id": mid, "chunks": [[h, d] for h, d in chunks]}
+    if manifest is not None:
+        out["manifest"] = manifest.to_wire()
+    if plan is not None:
+        out["plan"] = {"peers": plan.peers, "pieces": plan.pieces}
+    return out
+
+
+def parse_push(m: dict[str, Any]) -> Push:
+    """A push message, bounded (its chunks are checked against the manifest and their hashes by the receiver)."""
+    s.expect_type(m, "push")
+    chunks: list[tuple[bytes, bytes]] = []
+    total = 0
+    for item in s.items(m, "chunks", MAX_PUSH_CHUNKS):
+        if not (isinstance(item, list) and len(item) == 2 and all(isinstance(x, bytes) for x in item)):
+            raise s.SchemaError("pushed chunks must be [hash, data]")
+        if len(item[0]) != HASH_LEN:
+            raise s.SchemaError("chunk hashes must be 32-byte digests")
+        total += len(item[1])
+        chunks.append((item[0], item[1]))
+    if total > MAX_PUSH_BYTES:
+        raise s.SchemaError(f"a push carries at most {MAX_PUSH_BYTES} chunk bytes")
+    manifest = SignedManifest.from_wire(s.mapping(m, "manifest")) if "manifest" in m else None
+    plan = None
+    if "plan" in m:
+        p = s.mapping(m, "plan")
+        peers = s.items(p, "peers", MAX_PUSH_PEERS, min_len=1)
+        if not all(isinstance(x, bytes) and 0 < len(x) <= 128 for x in peers):
+            raise s.SchemaError("plan peers must be peer ids")
+        plan = PushPlan(peers, s.int_list(p, "pieces", MAX_PUSH_PIECES, 0, MAX_MANIFEST_BODY // HASH_LEN))
+    return Push(s.blob(m, "id", HASH_LEN, exact=HASH_LEN), chunks, manifest, plan)
+
+
+def pushed_reply(took: int) -> dict[str, Any]:
+    return {"v": WIRE_VERSION, "t": "pushed", "took": took}
+
+
+def parse_pushed(m: dict[str, Any]) -> int:
+    s.expect_type(m, "pushed")
+    return s.integer(m, "took", 0, MAX_PUSH_CHUNKS)

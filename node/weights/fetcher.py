@@ -28,6 +28,8 @@ requests, have-polls, timeouts, cancellation).
   arriving at (``min_in_flight`` before anything has), and a request's deadline allows for everything requested
   before it. Without that, a node on a slow link asked every peer for megabytes at once, its replies queued behind
   each other on its own downlink, and it timed out and struck honest peers for its own slowness.
+- Pushed chunks (protocols/weights.py, push): ``expected`` names the chunks a push is bringing and until when; they
+  are asked of no one before then (``arrived`` tells the download of each one that came).
 - ``wanted`` restricts the download to one route's chunks (a version's patch, or its full files); the
   have-bitfields still index every chunk of the manifest, so peers on either route understand each other.
 """
@@ -37,7 +39,7 @@ from __future__ import annotations
 import logging
 import random
 from collections import Counter, deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 import trio
@@ -147,8 +149,10 @@ class Download:
         settings: FetchSettings | None = None,
         wanted: Collection[bytes] | None = None,
         conduct: Conduct | None = None,
+        expected: Mapping[bytes, float] | None = None,
     ) -> None:
-        """``conduct``: peers' standing across downloads (WeightSync keeps one; default: this download's own)."""
+        """``conduct``: peers' standing across downloads (WeightSync keeps one; default: this download's own);
+        ``expected``: chunk hash -> until when (trio's clock) a push is bringing it (WeightSync's, kept current)."""
         self.client = WeightsClient(host)
         self.store = store
         self.manifest = manifest
@@ -176,6 +180,7 @@ class Download:
         self.dropped: set[ID] = set()  # peers no longer asked in this download (withholding, too slow)
         self.resting: dict[ID, float] = {}  # peer -> when it may be asked again (it said busy / rate limited)
         self.declined: dict[int, float] = {}  # chunk -> when the origin may be asked for it again
+        self.expected: Mapping[bytes, float] = expected if expected is not None else {}
         self.downlink = Downlink()
         self.stats = DownloadStats()
         self._progress = trio.Event()
@@ -190,6 +195,7 @@ class Download:
 
     # -- choosing chunks (node/weights/policy.py decides) --------------------------------------------------
     def board(self) -> policy.Board:
+        index = self.layout.index
         return policy.Board(
             missing=self.missing,
             holders=self.holders,
@@ -200,6 +206,7 @@ class Download:
             failed=self.failed,
             declined=self.declined,
             last_arrival=self.downlink.last,
+            expected={index[h]: t for h, t in self.expected.items() if h in index},
         )
 
     def pick(self, peer: ID) -> list[int]:
@@ -219,6 +226,19 @@ class Download:
             if chunks is not mine and not scope.cancel_called and policy.superseded(chunks, self.missing):
                 scope.cancel()
                 self.stats.cancelled_requests += 1
+
+    def arrived(self, h: bytes, nbytes: int, peer: ID) -> None:
+        """Chunk ``h`` (verified, stored) came by push from ``peer``: no longer missing here."""
+        i = self.layout.index.get(h)
+        if i is None or i not in self.missing:
+            return
+        self.missing.discard(i)
+        self.failed.discard(i)
+        self.downlink.arrived(nbytes)
+        key = str(peer)
+        self.stats.bytes_by_peer[key] = self.stats.bytes_by_peer.get(key, 0) + nbytes
+        self._cancel_superseded([])
+        self._poke()
 
     # -- the download ------------------------------------------------------------------------------------
     async def run(self) -> None:

@@ -4,6 +4,11 @@ gossip (now and forever after), drop what the store no longer needs. No torch he
 The trainer names versions as it trains (``after_step``); one is in flight at a time, so a publish slower than
 ``every`` steps never makes the loop wait: the versions that fall due meanwhile coalesce into the next one named
 (``cadence``, a pure rule). bench/wan_node.py sends its versions through the same object (``send``).
+
+Given a ``pusher`` (the origin's push: node/weights/server.py, OriginPush), each version is also pushed to the
+samplers as it is announced, and the versions are cut into pieces sized for that (``policy.piece_size``: from the
+last patch's size, the whole version's and how many samplers a push reaches; kept while within
+``policy.PIECE_HYSTERESIS``). While ``announce_forever`` runs, pushes run beside it and ``send`` does not wait for them.
 """
 
 from __future__ import annotations
@@ -16,10 +21,11 @@ from typing import Any, Protocol
 
 import trio
 
+from node.weights import policy
 from node.weights.gossip import announce_topic
 from node.weights.publish import Publisher
 from protocols import weights as weights_proto
-from protocols.weights import Manifest
+from protocols.weights import Manifest, SignedManifest
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +60,12 @@ class Announcer(Protocol):
     async def publish(self, topic: str, message: dict[str, Any]) -> None: ...
 
 
+class Pusher(Protocol):
+    def audience(self) -> int: ...
+
+    async def push(self, mid: bytes, signed: SignedManifest, manifest: Manifest) -> int: ...
+
+
 class Outbox:
     """``stage(version, path)`` (blocking, run in a thread) writes a version's model dir where the publisher takes
     it; ``on_published(version, manifest)`` runs after each publish, before the announcement; ``keep`` is the store's
@@ -72,6 +84,7 @@ class Outbox:
         keep: int | None = None,
         on_published: Callable[[int, Manifest], None] = lambda version, manifest: None,
         run_sync: Callable[..., Awaitable[Any]] = trio.to_thread.run_sync,
+        pusher: Pusher | None = None,
     ) -> None:
         self.publisher, self.stage, self.gossip, self.topic = publisher, stage, gossip, announce_topic(swarm_name)
         self.keep, self.on_published, self.run_sync = keep, on_published, run_sync
@@ -79,12 +92,22 @@ class Outbox:
         self.update_bytes = 0  # what the last version published costs to fetch (a patch's size, if it has one)
         self.cadence = Cadence(1)
         self.in_flight = False
+        self.pusher = pusher
+        # the configured chunk size: pieces are never larger
+        self.max_chunk = publisher.chunk_size if pusher is not None else 0
+        self.patch_bytes: int | None = None  # the last patch published (what the next update will likely weigh)
+        self.pushed = 0  # chunks the pushes placed, all versions together
+        self._background: trio.Nursery | None = None
 
     async def send(self, version: int) -> Manifest:
         """Stage, publish and announce ``version``; then gc the store."""
         staging = self.publisher.staging_dir(version)
         await self.run_sync(self.stage, version, staging)
-        mid, _, manifest = await self.run_sync(self.publisher.publish, staging, version)
+        if self.pusher is not None:
+            self.publisher.chunk_size = self.piece_size()
+        mid, signed, manifest = await self.run_sync(self.publisher.publish, staging, version)
+        if manifest.patch is not None:
+            self.patch_bytes = manifest.patch.size
         self.published, self.update_bytes = (version, mid), manifest.update_size
         log.info(
             "published version %d (%d chunks, %.1f MB%s)",
@@ -94,10 +117,34 @@ class Outbox:
             f"; patch {manifest.patch.size / 1e6:.2f} MB" if manifest.patch is not None else "",
         )
         self.on_published(version, manifest)
-        await self.announce()
+        if self.pusher is not None and self._background is not None:
+            self._background.start_soon(self._push, mid, signed, manifest)
+            await self.announce()
+        elif self.pusher is not None:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._push, mid, signed, manifest)
+                await self.announce()
+        else:
+            await self.announce()
         if self.keep is not None:
             await self.run_sync(self.publisher.store.gc, self.keep)
         return manifest
+
+    def piece_size(self) -> int:
+        """The chunk size the next version is cut with (``policy.piece_size``, kept within its hysteresis)."""
+        assert self.pusher is not None
+        stats = self.publisher.last_stats
+        if self.patch_bytes is None or stats is None:
+            return self.publisher.chunk_size  # no patch seen yet: nothing to size pieces by
+        proposed = policy.piece_size(self.patch_bytes, self.pusher.audience(), stats.full_bytes, self.max_chunk)
+        return policy.keep_piece_size(self.publisher.chunk_size, proposed)
+
+    async def _push(self, mid: bytes, signed: SignedManifest, manifest: Manifest) -> None:
+        assert self.pusher is not None
+        try:
+            self.pushed += await self.pusher.push(mid, signed, manifest)
+        except Exception as exc:  # a push only saves round trips: the version is announced and served anyway
+            log.warning("pushing version %d failed: %s: %s", manifest.version, type(exc).__name__, exc)
 
     async def announce(self) -> None:
         if self.published is not None:
@@ -108,10 +155,16 @@ class Outbox:
                 log.debug("announce failed: %s", exc)
 
     async def announce_forever(self, interval: float) -> None:
-        """Announce the latest version again every ``interval`` seconds: nodes that join late, or missed it, hear."""
-        while True:
-            await trio.sleep(interval)
-            await self.announce()
+        """Announce the latest version again every ``interval`` seconds: nodes that join late, or missed it, hear.
+        Pushes of the versions sent meanwhile run here, beside it."""
+        async with trio.open_nursery() as nursery:
+            self._background = nursery
+            try:
+                while True:
+                    await trio.sleep(interval)
+                    await self.announce()
+            finally:
+                self._background = None
 
     # -- versions named while training -------------------------------------------------------------------
     def start(

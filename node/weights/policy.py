@@ -40,6 +40,15 @@ to peers with a lease or an accepted group; every other peer draws on one share 
 first version). A new sampler has no lease before it holds weights (it asks for work once its engine runs), so it
 fetches from the samplers that do, and the strangers' share is what still moves it when none of them can serve it.
 
+Small versions (``piece_size``, ``keep_piece_size``, ``push_pieces``, ``push_targets``, ``push_source_ok``,
+``push_wait``). A version is cut into pieces small enough that every sampler the origin pushes to gets a different
+first piece: ``PIECES_PER_PEER`` per peer, at least ``MIN_PIECE``, at most the configured chunk size, and never so
+small that a full version has more than ``MAX_FULL_PIECES``; the size changes only when the rule's answer moves
+``PIECE_HYSTERESIS`` times away (a new size re-cuts the version's other files, which peers then fetch again). The
+origin pushes a version's new chunks of its update route (at most ``protocols.weights.MAX_PUSH_VERSION`` bytes) to
+the samplers it serves, one share each; a receiver takes a pushed chunk only from the origin or from the peer the
+origin's plan names for it, and does not ask anyone for a chunk a push is bringing until ``push_wait`` has passed.
+
 Versions (``is_news``, ``take_announcement``, ``cancel_for_newer``, ``rebuild_now``). A version is worth chasing
 when it is newer than the one running and the one being fetched. An announcer whose announcements give nothing
 usable ``ANNOUNCE_FAILURES`` times is struck. A newer target cancels a download unless that one is at least
@@ -73,6 +82,12 @@ UNANSWERED_LIMIT = 3  # requests in a row, across downloads, that brought no chu
 BENCH_SECONDS = 30.0  # a peer's first bench; each further one doubles
 MAX_BENCH_SECONDS = 960.0
 STRANGER_SHARE = 0.25  # of one peer's upload share: what every peer without a lease or record at the origin shares
+
+PIECES_PER_PEER = 4  # pieces per receiving peer a small version is cut into, at least
+MIN_PIECE = 16 << 10  # bytes: no piece smaller (per-piece costs: a hash, a file, a request slot)
+MAX_FULL_PIECES = 32768  # pieces of a whole version, at most (~1 MiB of hashes in its manifest)
+PIECE_HYSTERESIS = 4  # the piece size changes only when the rule's answer is this many times off
+PUSH_GRACE = 1.0  # seconds a pushed piece may be late before it is asked for, besides its transfer time
 
 P = TypeVar("P", bound=Hashable)
 
@@ -142,6 +157,7 @@ class Board:
     failed: Collection[int] = frozenset()  # chunks a request to a peer failed for: the origin may serve them
     declined: Mapping[int, float] = field(default_factory=dict)  # chunk -> when the origin may be asked again
     last_arrival: float = 0.0  # when the last chunk arrived
+    expected: Mapping[int, float] = field(default_factory=dict)  # chunk -> until when a push is bringing it
 
 
 # -- picking ---------------------------------------------------------------------------------------------------
@@ -157,7 +173,9 @@ def rarity(chunk: int, board: Board, exclude: Hashable | None = None) -> int:
 def pick(peer: Hashable, board: Board, layout: Layout, now: float, room: int) -> list[int]:
     """The chunks to ask ``peer`` for next (empty: nothing), within ``room`` bytes of the in-flight budget."""
     bits = board.holders.get(peer, frozenset())
-    candidates = [i for i in board.missing if i in bits and not board.in_flight.get(i, 0)]
+    candidates = [
+        i for i in board.missing if i in bits and not board.in_flight.get(i, 0) and board.expected.get(i, 0.0) <= now
+    ]
     if peer == board.origin:
         candidates = [i for i in candidates if board.declined.get(i, 0.0) <= now]
         unique = [i for i in candidates if rarity(i, board) == 0 or i in board.failed]
@@ -310,6 +328,54 @@ def origin_serves_freely(trusted: bool, trusted_connected: bool) -> bool:
     """Whether the origin serves a peer from that peer's own upload share (it has a lease or an accepted group, or
     nobody connected has one yet) or from the one share all strangers draw on."""
     return trusted or not trusted_connected
+
+
+# -- small versions: pieces and pushes ------------------------------------------------------------------------
+def _pow2_floor(n: int) -> int:
+    return 1 << max(0, n.bit_length() - 1)
+
+
+def piece_size(update_bytes: int, peers: int, full_bytes: int, ceiling: int) -> int:
+    """Bytes per piece (chunk) for versions whose update is ``update_bytes`` (a patch, or the whole version) pushed
+    to ``peers`` samplers: ``PIECES_PER_PEER`` pieces per peer at least, a power of two, at least ``MIN_PIECE`` and
+    ``full_bytes / MAX_FULL_PIECES`` (the whole version's pieces stay few enough), at most ``ceiling``."""
+    floor = max(MIN_PIECE, 1 << (max(1, -(-full_bytes // MAX_FULL_PIECES)) - 1).bit_length())
+    share = _pow2_floor(max(1, update_bytes // (PIECES_PER_PEER * max(1, peers))))
+    return max(1024, min(ceiling, max(floor, share)))
+
+
+def keep_piece_size(current: int, proposed: int) -> int:
+    """The piece size to use: ``current`` unless ``proposed`` is ``PIECE_HYSTERESIS`` times off it either way."""
+    if current <= 0 or max(current, proposed) >= PIECE_HYSTERESIS * min(current, proposed):
+        return proposed
+    return current
+
+
+def push_pieces(route: Sequence[bytes], old: Collection[bytes], sizes: Mapping[bytes, int]) -> list[bytes]:
+    """The chunks the origin pushes: those of the update ``route`` that no earlier version had (the others' files
+    are held already), in order; none when the version is too big to push or a chunk too big for one message."""
+    new = [h for h in dict.fromkeys(route) if h not in old]
+    if sum(sizes.get(h, 0) for h in new) > w.MAX_PUSH_VERSION or any(sizes.get(h, 0) > w.MAX_PUSH_BYTES for h in new):
+        return []
+    return new
+
+
+def push_targets(capable: Sequence[P], trusted: Collection[P], limit: int = w.MAX_PUSH_PEERS) -> list[P]:
+    """Whom the origin pushes to: the peers that speak the push protocol and that it serves from their own share
+    (``origin_serves_freely``: a lease or a record, or everyone while none has), at most ``limit``."""
+    mine = [p for p in capable if p in trusted] or list(capable)
+    return mine[:limit]
+
+
+def push_source_ok(sender: P, origin: P, first_holder: P | None) -> bool:
+    """A pushed chunk is taken from the origin, or from the peer the origin's plan gave it to first; no one else."""
+    return sender == origin or (first_holder is not None and sender == first_holder)
+
+
+def push_wait(plan_bytes: int, peers: int, min_rate: float) -> float:
+    """Seconds to wait for a planned push before asking for its chunks: a grace, and two hops of one peer's share
+    at ``min_rate``."""
+    return PUSH_GRACE + 2 * plan_bytes / max(1, peers) / min_rate
 
 
 # -- versions --------------------------------------------------------------------------------------------------

@@ -7,12 +7,18 @@ flood of have-polls or chunk requests is refused with "rate_limited" and a retry
 limit alone let a flood of small requests take the trainer's CPU); then its upload share in bytes/s. At the origin
 a peer with neither a lease nor an accepted group draws on one share for all such peers together
 (node/weights/policy.py, ``origin_serves_freely``).
+
+Push (``OriginPush``, ``push_lane``; protocols/weights.py): the origin sends the first copies of a small version's
+chunks to the samplers it serves as it announces it, one share each, counted as served copies; a lane writes its
+messages back to back on one stream and reads the replies at the end, so a far peer costs one round trip, not one
+per chunk. Receivers relay their share through lanes of their own (node/weights/sync.py).
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterable, Callable, Iterable
 from typing import Any
 
 import trio
@@ -20,11 +26,16 @@ from libp2p.abc import IHost
 from libp2p.peer.id import ID
 
 from node.ratelimit import PeerRateLimiter, ip_key, take_all
-from node.rpc import request, serve
+from node.rpc import PEER_GONE, request, serve
 from node.weights import policy
+from node.weights.manifest import chunk_sizes
 from node.weights.store import ChunkStore
 from protocols import weights as w
 from protocols.errors import ProtocolError
+from protocols.framing import FrameReader, unpack, write_message
+from protocols.messages import raise_if_error
+
+log = logging.getLogger(__name__)
 
 REQUESTS_PER_SECOND = 50.0  # requests (of any kind) one peer may send: a download polls twice a second and its
 REQUEST_BURST = 100.0  # chunk requests carry ~4 MiB each, so an honest peer stays far below this
@@ -78,6 +89,7 @@ class WeightServer:
         self.throttled = 0
         self._served: dict[bytes, int] = {}
         self._in_flight: dict[bytes, int] = {}  # copies in replies not yet written out
+        self.bytes_pushed = 0  # of bytes_served: the origin's pushes (OriginPush)
 
     def _forget_gone_chunks(self) -> None:
         """Serving counters only for chunks still held: this state must not grow with every version ever served."""
@@ -126,6 +138,16 @@ class WeightServer:
             self._last_served[h] = now
         elif self._served.get(h):
             self._served[h] -= 1
+
+    def pushed(self, message: dict[str, Any]) -> None:
+        """A push message went out: its chunks count as served copies (super-seeding) and uploaded bytes."""
+        now = time.monotonic()
+        for h, data in message.get("chunks", ()):
+            self._served[h] = self._served.get(h, 0) + 1
+            self._last_served[h] = now
+            self.bytes_served += len(data)
+            self.bytes_pushed += len(data)
+            self.chunks_served += 1
 
     def register(self, host: IHost) -> None:
         self.host = host
@@ -258,3 +280,115 @@ class WeightsClient:
         reply = await self._ask(peer, w.get_chunks(hashes, mid), w.MAX_REPLY_FRAME, timeout)
         found, _missing = w.parse_chunks_reply(reply, hashes, chunk_size)
         return found, w.parse_reply_bits(reply, n_chunks)
+
+
+# -- push (protocols/weights.py: the origin's first copies of a small version, and their relays) -------------------
+PUSH_MIN_RATE = 64 << 10  # bytes/s a push lane may not fall below (with a grace): a stalled receiver ends its lane
+PUSH_LANE_GRACE = 5.0  # seconds
+
+
+def push_deadline(nbytes: int) -> float:
+    """Seconds a push lane carrying ``nbytes`` may take."""
+    return PUSH_LANE_GRACE + nbytes / PUSH_MIN_RATE
+
+
+async def push_lane(
+    host: IHost,
+    peer: ID,
+    messages: AsyncIterable[dict[str, Any]],
+    on_written: Callable[[dict[str, Any]], None] = lambda message: None,
+) -> int:
+    """Send push messages to ``peer`` one after another on one stream without waiting for each reply (a far peer
+    costs one round trip per lane, not one per message), then read the replies: how many chunks it took. A refusal
+    or a failure ends the lane quietly: pushes only save round trips, and what does not arrive is fetched by request.
+    ``on_written`` hears of each message once it is written out."""
+    sent = took = 0
+    stream = None
+    try:
+        stream = await host.new_stream(peer, [w.PUSH_PROTOCOL_ID])
+        async for message in messages:
+            await write_message(stream, message, w.MAX_PUSH_FRAME)
+            sent += 1
+            on_written(message)
+        reader = FrameReader(stream)
+        for _ in range(sent):
+            reply = unpack(await reader.read_body(w.MAX_PUSH_REPLY), w.MAX_PUSH_REPLY)
+            took += w.parse_pushed(raise_if_error(reply))
+        await stream.close()
+    except BaseException as exc:
+        if stream is not None:
+            with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                try:
+                    await stream.reset()
+                except Exception:
+                    pass
+        if not isinstance(exc, Exception):
+            raise  # cancelled (the lane's deadline): the stream is reset, the cancellation goes on
+        level = logging.DEBUG if isinstance(exc, (ProtocolError, *PEER_GONE)) else logging.INFO
+        log.log(level, "push to %s ended after %d messages: %s: %s", peer, sent, type(exc).__name__, exc)
+    return took
+
+
+class OriginPush:
+    """The origin's side of push: whom to push to, and the pushes themselves (counted as served copies by the
+    ``WeightServer`` whose store and host it shares, so super-seeding sees them)."""
+
+    def __init__(self, server: WeightServer) -> None:
+        self.server = server
+
+    def targets(self) -> list[ID]:
+        """Connected peers that speak the push protocol; those the origin serves from their own share first."""
+        host, server = self.server.host, self.server
+        if host is None:
+            return []
+        me, peerstore = host.get_id(), host.get_peerstore()
+        capable = []
+        for p in host.get_connected_peers():
+            try:
+                if p != me and peerstore.supports_protocols(p, [w.PUSH_PROTOCOL_ID]):
+                    capable.append(p)
+            except Exception:
+                continue  # identify has not told us yet
+        trusted = {p for p in capable if server.may_fetch is not None and server.may_fetch(p)}
+        return policy.push_targets(capable, trusted)
+
+    def audience(self) -> int:
+        return len(self.targets())
+
+    async def push(self, mid: bytes, signed: w.SignedManifest, manifest: w.Manifest) -> int:
+        """Send the first copies of ``manifest``'s new chunks to the peers this origin serves, one share each, with the
+        plan of who got what (each relays its share to the others as it arrives). Returns the chunks taken."""
+        store = self.server.store
+        route = manifest.patch_chunks() if manifest.patch is not None else manifest.full_chunks()
+        old = {h for other, m in store.manifests() if other != mid for h in m.all_chunks()}
+        sizes = chunk_sizes(manifest)
+        pieces = policy.push_pieces(route, old, sizes)
+        targets = self.targets()
+        if not pieces or not targets or self.server.host is None:
+            return 0
+        index = {h: i for i, h in enumerate(manifest.all_chunks())}
+        plan = w.PushPlan([p.to_bytes() for p in targets], [index[h] for h in pieces])
+        deadline = push_deadline(sum(sizes.get(h, 0) for h in pieces))  # every lane shares this uplink
+        took = 0
+
+        async def lane(k: int, peer: ID) -> None:
+            nonlocal took
+            with trio.move_on_after(deadline):
+                messages = self._messages(mid, signed, plan, pieces[k :: len(targets)])
+                took += await push_lane(self.server.host, peer, messages, self.server.pushed)
+
+        async with trio.open_nursery() as nursery:
+            for k, peer in enumerate(targets):
+                nursery.start_soon(lane, k, peer)
+        return took
+
+    async def _messages(
+        self, mid: bytes, signed: w.SignedManifest, plan: w.PushPlan, mine: Iterable[bytes]
+    ) -> AsyncIterable[dict[str, Any]]:
+        """The manifest and the plan first (small: every peer learns who relays what before any relay reaches it),
+        then this peer's share, a piece a message (the first relays start after the first piece, not the last)."""
+        yield w.push(mid, [], signed, plan)
+        for h in mine:
+            data = await trio.to_thread.run_sync(self.server.store.read, h)
+            if data is not None:
+                yield w.push(mid, [(h, data)])

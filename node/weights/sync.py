@@ -10,13 +10,21 @@ the engine the positions that changed since the version it runs (``changes``) so
 link (a chunk damaged on disk, a parent whose bits do not give the hashed result) is dropped and fetched again,
 never applied.
 
+Small versions come by push too (protocols/weights.py): the origin sends this node the signed manifest, the plan of
+who gets which chunk first, and this node's share, which it relays to the plan's other peers as each chunk is
+stored. A pushed chunk is taken only for a version being chased, from the origin or the peer the plan names for it,
+and only once its blake3 matches (a bad one is a strike); the download asks no one for a chunk a push is bringing
+until ``policy.push_wait`` has passed.
+
 Which version to chase, when to give up on a download or an announcer, when to rebuild: node/weights/policy.py."""
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +32,7 @@ import trio
 from libp2p.peer.id import ID
 
 from node.host import Swarm
+from node.rpc import serve
 from node.settings import WeightSettings
 from node.strikes import Strikes
 from node.weights import policy
@@ -31,13 +40,15 @@ from node.weights.chain import Step, plan, plan_bytes
 from node.weights.fetcher import Conduct, Download
 from node.weights.gossip import Gossip, announce_topic
 from node.weights.hashes import manifest_id
-from node.weights.manifest import ForgedManifest, verify_manifest
+from node.weights.manifest import ForgedManifest, chunk_sizes, verify_manifest
 from node.weights.patch import PatchError, TensorMismatch, WeightChanges
 from node.weights.policy import FetchSettings
-from node.weights.server import WeightsClient
+from node.weights.server import WeightsClient, push_deadline, push_lane
 from node.weights.store import BadChunk, ChunkStore
 from protocols import weights as w
 from protocols.errors import ProtocolError
+
+PUSH_STREAMS_PER_PEER = 4  # push streams one peer may have open here at once
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +70,31 @@ def fetch_settings(s: WeightSettings) -> FetchSettings:
 def swarm_peers(swarm: Swarm) -> Callable[[], list[ID]]:
     """Every peer ``swarm`` is connected to, itself excluded: whom a node asks for chunks unless told otherwise."""
     return lambda: [p for p in swarm.host.get_connected_peers() if p != swarm.peer_id]
+
+
+class NotExpected(ProtocolError):
+    """A push this node did not ask for and no plan of the origin's names: refused unread."""
+
+    code = "not_expected"
+
+
+@dataclass
+class PushState:
+    """The origin's push plan for one version being chased: who gets each chunk first, and this node's relays."""
+
+    mid: bytes
+    manifest: w.Manifest
+    index: dict[bytes, int]  # chunk hash -> index in all_chunks()
+    first: dict[int, bytes]  # chunk index -> the peer (id bytes) the origin gives it to first
+    peers: list[ID]  # the plan's peers: whom this node relays its share to
+    mine: int  # chunks the origin gives this node
+    share_bytes: int  # their bytes
+    relayed: int = 0
+    lanes: dict[ID, trio.MemorySendChannel] = field(default_factory=dict)
+
+    def close(self) -> None:
+        for lane in self.lanes.values():
+            lane.close()
 
 
 class PlanDownload:
@@ -132,6 +168,26 @@ class WeightSync:
         self.last_plan: list[tuple[int, str, int]] = []  # (version, route, bytes to fetch) of the last plan
         self.bad_links = 0  # builds refused: damaged chunks, parents whose bits did not give the hashed result
         self._build_failures: dict[bytes, int] = {}
+        self._nursery: trio.Nursery | None = None
+        self._expecting: dict[bytes, float] = {}  # chunk -> until when (trio's clock) a push is bringing it
+        self._push: PushState | None = None  # the newest plan of a version being chased
+        self.pushed_chunks = 0  # taken from pushes (the origin's, and relays)
+        self.relayed_chunks = 0  # pushed on to the plan's other peers
+        self.refused_pushed = 0  # pushed chunks not taken: not expected from that peer, or not of the version
+        # registered now, before the node connects, so that identify tells the origin this node takes pushes
+        swarm.host.set_stream_handler(
+            w.PUSH_PROTOCOL_ID,
+            serve(
+                "push",
+                self._on_push,
+                w.MAX_PUSH_FRAME,
+                w.MAX_PUSH_REPLY,
+                timeout=60.0,
+                admit=self._admit_push,
+                max_containers=w.PUSH_CONTAINERS,
+                streams_per_peer=PUSH_STREAMS_PER_PEER,
+            ),
+        )
 
     async def run(self) -> None:
         await self._resume()  # a version fully on disk is usable at once
@@ -151,6 +207,8 @@ class WeightSync:
         if self.last_swap_seconds is not None:
             out["last_swap_seconds"] = round(self.last_swap_seconds, 3)
         out["routes"] = dict(self.routes)
+        if self.pushed_chunks or self.relayed_chunks or self.refused_pushed:
+            out["push"] = {"took": self.pushed_chunks, "relayed": self.relayed_chunks, "refused": self.refused_pushed}
         if self.bad_links:
             out["bad_links"] = self.bad_links
         if self.conduct.benches:
@@ -211,8 +269,12 @@ class WeightSync:
             mid = manifest_id(signed)
         else:
             signed, manifest = known
-        if not policy.is_news(manifest.version, self.current, self.target[0] if self.target is not None else None):
-            return True
+        if policy.is_news(manifest.version, self.current, self.target[0] if self.target is not None else None):
+            self._adopt(signed, manifest, mid)
+        return True
+
+    def _adopt(self, signed: w.SignedManifest, manifest: w.Manifest, mid: bytes) -> None:
+        """A verified manifest of a newer version: the new target."""
         self.store.add_manifest(signed, manifest)
         self.target = (manifest.version, mid, manifest)
         self.heard_at[manifest.version] = time.monotonic()
@@ -223,7 +285,126 @@ class WeightSync:
             manifest.total_size / 1e6,
         )
         self._target_changed.set()
-        return True
+
+    # -- push (the receiving side; the origin's is node/weights/server.py, OriginPush) -------------------------
+    def _admit_push(self, remote: ID) -> None:
+        """Before a push's body is read: only the origin, or a peer the origin's current plan names, may push."""
+        if self.strikes.is_banned(remote):
+            raise NotExpected("this peer is banned here")
+        if remote == self.trainer_id:
+            return
+        if self._push is None or remote.to_bytes() not in self._push.first.values():
+            raise NotExpected("no push from this peer is expected")
+
+    def _chasing(self, manifest: w.Manifest) -> bool:
+        """A version newer than the one running, and not older than the one being fetched."""
+        return manifest.version > self.current and (self.target is None or manifest.version >= self.target[0])
+
+    async def _on_push(self, message: dict[str, Any], remote: ID) -> dict[str, Any]:
+        push = w.parse_push(message)
+        if push.manifest is not None:
+            if remote != self.trainer_id:
+                raise NotExpected("only the origin pushes manifests")
+            try:
+                manifest = verify_manifest(push.manifest, self.trainer_id, self.swarm_name)
+                if manifest_id(push.manifest) != push.mid:
+                    raise ForgedManifest("a pushed manifest does not hash to the id it came with")
+            except ForgedManifest:
+                self.forged_manifests += 1
+                raise
+            if self._chasing(manifest):
+                if push.plan is not None:
+                    self._take_plan(push.mid, manifest, push.plan)
+                if policy.is_news(manifest.version, self.current, self.target[0] if self.target else None):
+                    self._adopt(push.manifest, manifest, push.mid)
+        state = self._push
+        if not push.chunks:
+            return w.pushed_reply(0)
+        if state is None or state.mid != push.mid or not self._chasing(state.manifest):
+            self.refused_pushed += len(push.chunks)
+            return w.pushed_reply(0)  # a version no longer chased (or never planned): nothing to take
+        sender, origin = remote.to_bytes(), self.trainer_id.to_bytes()
+        took = 0
+        for h, data in push.chunks:
+            i = state.index.get(h)
+            ok = i is not None and len(data) <= state.manifest.chunk_size
+            if not ok or not policy.push_source_ok(sender, origin, state.first.get(i)):
+                self.refused_pushed += 1
+                continue
+            if self.store.has(h):
+                continue
+            try:
+                await trio.to_thread.run_sync(self.store.write, h, data)  # checks blake3 before storing
+            except BadChunk:
+                self.strikes.strike(remote)
+                log.warning("peer %s pushed a corrupt chunk %s", remote, h.hex()[:12])
+                continue
+            took += 1
+            self.pushed_chunks += 1
+            self._expecting.pop(h, None)
+            if self.download is not None:
+                for d in self.download.downloads:
+                    d.arrived(h, len(data), remote)
+            if sender == origin and state.first.get(i) == self.swarm.peer_id.to_bytes():
+                self._relay(state, h, data)
+        return w.pushed_reply(took)
+
+    def _take_plan(self, mid: bytes, manifest: w.Manifest, plan: w.PushPlan) -> None:
+        """The origin's plan for a version being chased: expect its chunks for a while, get ready to relay."""
+        if self._push is not None and self._push.mid == mid:
+            return
+        chunks = manifest.all_chunks()
+        first = {i: peer for i, peer in plan.first_holder().items() if i < len(chunks)}
+        me = self.swarm.peer_id.to_bytes()
+        sizes = chunk_sizes(manifest)
+        mine = [i for i, peer in first.items() if peer == me]
+        if self._push is not None:
+            self._push.close()
+        peers = []
+        for raw in dict.fromkeys(plan.peers):
+            try:
+                peers.append(ID(raw))
+            except Exception:
+                continue
+        self._push = PushState(
+            mid,
+            manifest,
+            {h: i for i, h in enumerate(chunks)},
+            first,
+            peers,
+            len(mine),
+            sum(sizes.get(chunks[i], 0) for i in mine),
+        )
+        plan_bytes = sum(sizes.get(chunks[i], 0) for i in first)
+        until = trio.current_time() + policy.push_wait(plan_bytes, len(plan.peers), self.settings.min_rate)
+        self._expecting.clear()  # (the dict itself is shared with the downloads)
+        self._expecting.update((chunks[i], until) for i in first if not self.store.has(chunks[i]))
+
+    def _relay(self, state: PushState, h: bytes, data: bytes) -> None:
+        """A chunk the origin gave this node first goes on to the plan's other peers at once (a lane each)."""
+        if self._nursery is None:
+            return
+        connected = set(self.swarm.host.get_connected_peers())
+        for peer in state.peers:
+            if peer in (self.swarm.peer_id, self.trainer_id) or peer not in connected or self.strikes.is_banned(peer):
+                continue
+            lane = state.lanes.get(peer)
+            if lane is None:
+                send, receive = trio.open_memory_channel(math.inf)
+                state.lanes[peer] = lane = send
+                self._nursery.start_soon(self._relay_lane, peer, receive, state.share_bytes * len(state.peers))
+            lane.send_nowait(w.push(state.mid, [(h, data)]))
+        state.relayed += 1
+        if state.relayed >= state.mine:
+            state.close()
+
+    async def _relay_lane(self, peer: ID, messages: trio.MemoryReceiveChannel, nbytes: int) -> None:
+        def written(message: dict[str, Any]) -> None:
+            self.relayed_chunks += len(message["chunks"])
+
+        async with messages:
+            with trio.move_on_after(push_deadline(nbytes)):
+                await push_lane(self.swarm.host, peer, messages, written)
 
     async def fetch_manifest(
         self, mid: bytes, sources: list[ID] | None = None
@@ -276,6 +457,7 @@ class WeightSync:
             if step.route == "full" and step.manifest.patch is None
             else self.store.route_chunks(step.manifest, step.route),
             conduct=self.conduct,
+            expected=self._expecting,
         )
 
     def build(self, steps: list[Step]) -> tuple[Path, WeightChanges | None]:

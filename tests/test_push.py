@@ -1,0 +1,248 @@
+"""Small versions swarm (issue 27): pieces sized so every sampler gets a different first one, the origin pushes them
+as it announces (no request round trip), receivers relay their share at once, and take a push only from whom the
+origin's plan names, each chunk checked against its hash."""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+from libp2p.crypto.keys import KeyPair
+from libp2p.peer.peerinfo import info_from_p2p_addr
+
+from node.host import open_swarm
+from node.identity import load_or_create_key
+from node.rpc import serve
+from node.weights import policy
+from node.weights.outbox import Outbox
+from node.weights.publish import Publisher
+from node.weights.server import OriginPush, WeightServer, push_lane
+from node.weights.store import ChunkStore
+from node.weights.sync import WeightSync
+from protocols import weights as w
+from protocols.errors import SchemaError
+from protocols.framing import unpack
+from tests.helpers import LOOPBACK, wait_until
+from trainer.model import load_model, save_model_dir
+
+KIB = 1 << 10
+
+
+# -- the rules ---------------------------------------------------------------------------------------------------
+def test_piece_size_gives_every_peer_four_pieces_within_its_bounds():
+    ceiling = 1 << 20
+    # the WAN lab's patch (0.93 MB) to 6 samplers: 4 pieces each -> ~38 KB -> 32 KiB pieces, 29 of them
+    size = policy.piece_size(929_000, 6, 63_000_000, ceiling)
+    assert size == 32 * KIB and -(-929_000 // size) >= 4 * 6
+    # a 1.5B version's patch (0.3% of 3.1 GB) to 14 samplers: 128 KiB, and the whole version stays <= 32768 pieces
+    size = policy.piece_size(9_300_000, 14, 3_100_000_000, ceiling)
+    assert size == 128 * KIB and -(-9_300_000 // size) >= 4 * 14 and 3_100_000_000 / size <= policy.MAX_FULL_PIECES
+    assert policy.piece_size(100_000, 50, 10_000_000, ceiling) == policy.MIN_PIECE  # the floor
+    assert policy.piece_size(500 << 20, 2, 1 << 30, ceiling) == ceiling  # never above the configured chunk size
+    assert policy.piece_size(1 << 20, 0, 1 << 20, ceiling) == 256 * KIB  # nobody to push to yet: one peer's worth
+    # a huge version whose patch is tiny: the whole version's piece count wins over the patch's share
+    assert policy.piece_size(1 << 20, 16, 16 << 30, 4 << 20) == 512 * KIB
+
+
+def test_piece_size_changes_only_when_far_off():
+    assert policy.keep_piece_size(32 * KIB, 64 * KIB) == 32 * KIB
+    assert policy.keep_piece_size(32 * KIB, 16 * KIB) == 32 * KIB
+    assert policy.keep_piece_size(32 * KIB, 128 * KIB) == 128 * KIB
+    assert policy.keep_piece_size(1 << 20, 32 * KIB) == 32 * KIB
+    assert policy.keep_piece_size(0, 32 * KIB) == 32 * KIB
+
+
+def test_push_pieces_are_the_new_chunks_of_a_small_update():
+    a, b, c, d = (bytes([i]) * 32 for i in range(4))
+    sizes = {a: 10, b: 20, c: 30, d: 40}
+    assert policy.push_pieces([a, b, c, b], {a}, sizes) == [b, c]  # the old file's chunk is held by everyone
+    assert policy.push_pieces([a], {a}, sizes) == []
+    assert policy.push_pieces([a, b], set(), {a: w.MAX_PUSH_VERSION, b: 1}) == []  # too big a version
+    assert policy.push_pieces([a], set(), {a: w.MAX_PUSH_BYTES + 1}) == []  # a chunk too big for one message
+
+
+def test_push_targets_prefer_the_peers_the_origin_serves():
+    assert policy.push_targets(["s1", "s2", "x"], {"s1", "s2"}) == ["s1", "s2"]
+    assert policy.push_targets(["s1", "x"], set()) == ["s1", "x"]  # a new swarm: nobody has a lease yet
+    assert policy.push_targets([f"p{i}" for i in range(100)], set(), limit=64) == [f"p{i}" for i in range(64)]
+
+
+def test_a_pushed_chunk_is_taken_only_from_the_origin_or_its_planned_relayer():
+    assert policy.push_source_ok("origin", "origin", None)
+    assert policy.push_source_ok("a", "origin", "a")
+    assert not policy.push_source_ok("b", "origin", "a")
+    assert not policy.push_source_ok("b", "origin", None)
+
+
+def test_a_chunk_a_push_is_bringing_is_not_requested_until_its_wait_is_over():
+    layout = policy.Layout.of([b"x" * 32, b"y" * 32], {}, [b"x" * 32, b"y" * 32], 1 << 20, 8, [0.1, 0.2])
+    board = policy.Board(missing={0, 1}, holders={"p": {0, 1}}, in_flight={}, requests=[], origin=None,
+                         expected={0: 10.0})  # fmt: skip
+    assert policy.pick("p", board, layout, now=5.0, room=1 << 30) == [1]
+    assert sorted(policy.pick("p", board, layout, now=10.5, room=1 << 30)) == [0, 1]
+    # a grace plus two hops of one peer's share at the minimum rate
+    assert policy.push_wait(6 * 256 * KIB, 6, 256 * KIB) == pytest.approx(policy.PUSH_GRACE + 2.0)
+
+
+# -- the wire ----------------------------------------------------------------------------------------------------
+def test_push_messages_round_trip_and_are_bounded():
+    signed = w.SignedManifest(b"body", b"sig", b"key")
+    plan = w.PushPlan([b"peer-a", b"peer-b"], [3, 5, 7])
+    m = unpack(_pack(w.push(b"i" * 32, [(b"h" * 32, b"data")], signed, plan)), w.MAX_PUSH_FRAME, w.PUSH_CONTAINERS)
+    p = w.parse_push(m)
+    assert p.mid == b"i" * 32 and p.chunks == [(b"h" * 32, b"data")] and p.manifest == signed
+    assert p.plan == plan and plan.first_holder() == {3: b"peer-a", 5: b"peer-b", 7: b"peer-a"}
+    assert w.parse_pushed(w.pushed_reply(1)) == 1
+    too_many = w.push(b"i" * 32, [(bytes([i]) * 32, b"") for i in range(w.MAX_PUSH_CHUNKS + 1)])
+    too_big = w.push(b"i" * 32, [(b"a" * 32, b"x" * (w.MAX_PUSH_BYTES // 2 + 1)), (b"b" * 32, b"x" * (1 << 19))])
+    bad_hash = w.push(b"i" * 32, [(b"short", b"x")])
+    for bad in (too_many, too_big, bad_hash, {**w.push(b"i" * 32, []), "plan": {"peers": [], "pieces": []}}):
+        with pytest.raises(SchemaError):
+            w.parse_push(bad)
+
+
+def _pack(message: dict) -> bytes:
+    from protocols.framing import pack
+
+    return pack(message)
+
+
+# -- a swarm -----------------------------------------------------------------------------------------------------
+def nudge(model, step: float, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g).sign() * step)
+
+
+class Origin:
+    """The trainer's weight side alone: publisher, super-seeding server, outbox with push."""
+
+    def __init__(self, swarm, root: Path, model_dir: Path, key) -> None:
+        self.model_dir, self.model = model_dir, load_model(model_dir)
+        self.store = ChunkStore(root / "origin")
+        self.server = WeightServer(self.store, origin=True)
+        self.server.register(swarm.host)
+        self.publisher = Publisher(
+            self.store, KeyPair(key.private_key, key.public_key), "t", anchor_every=1 << 20, patch_max_fraction=0.5
+        )
+        self.outbox = Outbox(self.publisher, self.stage, swarm.gossip, "t", pusher=OriginPush(self.server))
+
+    def stage(self, version: int, staging: Path) -> Path:
+        if version:
+            nudge(self.model, 3e-5, version)
+        return save_model_dir(self.model, staging, self.model_dir, torch.bfloat16)
+
+
+async def test_a_small_version_is_pushed_relayed_and_never_requested(tmp_path, tiny_model_dir):
+    async with trio.open_nursery() as nursery, AsyncExitStack() as stack:
+        key = load_or_create_key(tmp_path / "origin.key")
+        swarm = await stack.enter_async_context(open_swarm(key, LOOPBACK))
+        origin = Origin(swarm, tmp_path, tiny_model_dir, key)
+        syncs = []
+        for i in range(3):
+            s = await stack.enter_async_context(open_swarm(load_or_create_key(tmp_path / f"s{i}.key"), LOOPBACK))
+
+            async def installed(version, path, changes):
+                pass
+
+            store = ChunkStore(tmp_path / f"s{i}")
+            WeightServer(store).register(s.host)
+            sync = WeightSync(s, store, s.gossip, "t", swarm.peer_id, installed)
+            await s.connect(info_from_p2p_addr(swarm.addrs()[0]))
+            for other in syncs:
+                await s.connect(info_from_p2p_addr(other.swarm.addrs()[0]))
+            syncs.append(sync)
+            nursery.start_soon(sync.run)
+        await wait_until(lambda: len(OriginPush(origin.server).targets()) == 3, 20, what="identify")
+
+        async def send(version: int) -> w.Manifest:
+            manifest = await origin.outbox.send(version)
+            await wait_until(lambda: all(s.current == version for s in syncs), 30, what=f"version {version}")
+            return manifest
+
+        m0 = await send(0)  # whole: its chunks are pushed too (a small version)
+        m1 = await send(1)  # the first patch: cut before any patch size was known
+        served, pushed = origin.server.bytes_served, origin.server.bytes_pushed
+        took = [s.pushed_chunks for s in syncs]
+        m2 = await send(2)  # cut into pieces sized for three peers (its other files re-cut: new chunks too)
+        assert m2.patch is not None and m2.chunk_size < origin.outbox.max_chunk
+        old = {*m0.all_chunks(), *m1.all_chunks()}
+        new = [h for h in m2.patch_chunks() if h not in old]
+        pieces, new_bytes = len(new), sum(len(origin.store.read(h)) for h in new)
+        n = len(m2.patch.chunks)  # four pieces per peer, unless that would make them smaller than the floor
+        assert n >= 3 and (n >= 3 * policy.PIECES_PER_PEER or m2.chunk_size == policy.MIN_PIECE), (n, m2.chunk_size)
+        # the origin sent one copy of each new chunk, by push; nobody asked it for any
+        assert origin.server.bytes_pushed - pushed == new_bytes
+        assert origin.server.bytes_served - served == new_bytes
+        # every sampler took its share from the origin and the others' from their relays
+        assert [s.pushed_chunks - t for s, t in zip(syncs, took, strict=True)] == [pieces] * 3
+        assert all(s.relayed_chunks > 0 for s in syncs)
+        for s in syncs:
+            rebuilt = (s.store.versions_dir / "v2" / "model.safetensors").read_bytes()
+            assert rebuilt == (origin.publisher.links / "v2.safetensors").read_bytes()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_hostile_relayer_is_struck_and_a_stranger_refused(tmp_path, tiny_model_dir):
+    async with trio.open_nursery() as nursery, AsyncExitStack() as stack:
+        key = load_or_create_key(tmp_path / "origin.key")
+        swarm = await stack.enter_async_context(open_swarm(key, LOOPBACK))
+        origin = Origin(swarm, tmp_path, tiny_model_dir, key)
+        victim = await stack.enter_async_context(open_swarm(load_or_create_key(tmp_path / "v.key"), LOOPBACK))
+        evil = await stack.enter_async_context(open_swarm(load_or_create_key(tmp_path / "e.key"), LOOPBACK))
+        stranger = await stack.enter_async_context(open_swarm(load_or_create_key(tmp_path / "x.key"), LOOPBACK))
+        given: dict[bytes, bytes] = {}  # what the origin pushed to the hostile peer (it relays none of it)
+
+        async def take(message, remote):
+            given.update(w.parse_push(message).chunks)
+            return w.pushed_reply(0)
+
+        handler = serve("evil", take, w.MAX_PUSH_FRAME, w.MAX_PUSH_REPLY, max_containers=w.PUSH_CONTAINERS)
+        evil.host.set_stream_handler(w.PUSH_PROTOCOL_ID, handler)
+
+        async def installed(version, path, changes):
+            pass
+
+        store = ChunkStore(tmp_path / "v")
+        WeightServer(store).register(victim.host)
+        sync = WeightSync(victim, store, victim.gossip, "t", swarm.peer_id, installed)
+        for peer in (evil, stranger):
+            await peer.connect(info_from_p2p_addr(swarm.addrs()[0]))
+            await peer.connect(info_from_p2p_addr(victim.addrs()[0]))
+        await victim.connect(info_from_p2p_addr(swarm.addrs()[0]))
+        nursery.start_soon(sync.run)
+        await wait_until(lambda: len(OriginPush(origin.server).targets()) == 2, 20, what="identify")
+
+        async def one(sender, message) -> int:
+            async def messages():
+                yield message
+
+            return await push_lane(sender.host, victim.peer_id, messages())
+
+        for version in (0, 1):  # the hostile peer relays nothing: the victim fetches its share after the wait
+            await origin.outbox.send(version)
+            await wait_until(lambda v=version: sync.current == v, 30, what=f"version {version}")
+        given.clear()
+        m2 = await origin.outbox.send(2)
+        mid = origin.store.latest()[0]
+        bad = next(h for h in given if not sync.store.has(h))  # planned to come from the hostile peer
+        mine = next(h for h in m2.patch.chunks if h not in given)  # the origin gave it to the victim
+        # a peer no plan names may not push, nor push a manifest, nor may the hostile one push a manifest
+        assert await one(stranger, w.push(mid, [(bad, given[bad])])) == 0
+        assert await one(evil, w.push(mid, [], origin.store.latest()[1])) == 0
+        assert not sync.store.has(bad)
+        # the hostile peer's corrupt relay is a strike and is not stored; a chunk it was not given is not taken
+        refused = sync.refused_pushed
+        assert await one(evil, w.push(mid, [(mine, origin.store.read(mine))])) == 0
+        assert sync.refused_pushed == refused + 1
+        assert await one(evil, w.push(mid, [(bad, bytes(x ^ 1 for x in given[bad]))])) == 0
+        assert sync.strikes.counts.get(str(evil.peer_id), 0) == 1
+        # the version still arrives, bit-exact: what the hostile peer withheld was fetched from the origin
+        await wait_until(lambda: sync.current == 2, 30, what="version 2")
+        rebuilt = (sync.store.versions_dir / "v2" / "model.safetensors").read_bytes()
+        assert rebuilt == (origin.publisher.links / "v2.safetensors").read_bytes()
+        nursery.cancel_scope.cancel()
