@@ -115,7 +115,14 @@ def cmd_node(args: argparse.Namespace) -> int:
     from node.runtime import run_node
 
     config = build_config(args)
-    role = build_role(config, load_settings(args))
+    settings = load_settings(args)
+    if config.role == "trainer":
+        require_torch("the trainer")
+        from node.roles.ranks import serve_as_worker
+
+        if serve_as_worker(settings.learner):  # torchrun's ranks 1..N-1 run rank 0's learner commands, no node
+            return 0
+    role = build_role(config, settings)
     trio.run(run_node, config, role)
     return 0
 

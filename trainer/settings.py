@@ -48,3 +48,8 @@ class LearnerSettings:
     micro_batch_tokens: int = knob(8192, "padded tokens per forward/backward micro-batch (gradients accumulate)")
     activation_checkpointing: bool = knob(False, "recompute activations in backward (less memory, ~30% slower)")
     chat_template: bool = knob(False, "render prompts through the tokenizer's chat template")
+    nproc: int = knob(
+        1,
+        "ranks the learner is sharded over (FSDP2; rank 0 is this node and starts the others; under torchrun,"
+        " the ranks torchrun started)",
+    )

@@ -11,13 +11,14 @@ import trio
 from node.intake import RolloutIntake
 from node.weights.store import ChunkStore
 from trainer.checkpoint import load_checkpoint, save_checkpoint
+from trainer.leader import LeaderLearner
 from trainer.learner import Learner
 
 log = logging.getLogger(__name__)
 
 
 class Checkpoints:
-    def __init__(self, path: Path, learner: Learner, intake: RolloutIntake, store: ChunkStore) -> None:
+    def __init__(self, path: Path, learner: Learner | LeaderLearner, intake: RolloutIntake, store: ChunkStore) -> None:
         self.path, self.learner, self.intake, self.store = path, learner, intake, store
 
     def restore(self) -> None:
@@ -27,7 +28,7 @@ class Checkpoints:
         named = max(self.learner.scorer.found_at_start, default=-1)
         saved = load_checkpoint(self.path)
         if saved is not None:
-            self.learner.restore(saved)
+            self.learner.restore(saved, self.path)
             log.info("resumed from %s at step %d, version %d", self.path, saved["step"], saved["version"])
         self.intake.start(saved)
         published = self.store.latest()
@@ -43,6 +44,6 @@ class Checkpoints:
         """The intake cuts its journal in the event loop; the checkpoint naming that cut is written off the loop;
         then the journal segments it supersedes are dropped."""
         intake_state = self.intake.begin_checkpoint()
-        state = {**self.learner.state(), **intake_state}
+        state = {**(await trio.to_thread.run_sync(self.learner.state)), **intake_state}  # sharded: a collective
         await trio.to_thread.run_sync(save_checkpoint, self.path, state)
         self.intake.end_checkpoint(intake_state)

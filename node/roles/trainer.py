@@ -27,6 +27,7 @@ from node.discovery import provide_forever, role_key
 from node.host import Swarm
 from node.intake import RolloutIntake
 from node.roles.checkpoints import Checkpoints
+from node.roles.ranks import open_learner, watch_ranks
 from node.roles.trainer_rpc import serve_trainer
 from node.runlog import RunLog, StepMeter
 from node.settings import Settings
@@ -35,7 +36,6 @@ from node.weights.publish import Publisher
 from node.weights.server import WeightServer
 from node.weights.store import ChunkStore
 from protocols.work import WorkRequest
-from trainer.learner import Learner
 from trainer.memory import limit_malloc_arenas
 from trainer.tasks import load_task
 
@@ -53,7 +53,7 @@ class TrainerRole:
         self.weights = w = settings.weights
         self.task = load_task(s.task, s.reward)
         model_dir = Path(settings.learner.model_dir or ensure_base_model(config.data_dir / "base-model"))
-        self.learner = Learner(model_dir, settings.learner, s.max_staleness + 1, config.data_dir)
+        self.learner = open_learner(model_dir, settings.learner, s.max_staleness + 1, config.data_dir)
         codec = self.learner.codec
         self.intake = RolloutIntake(
             self.task,
@@ -125,6 +125,7 @@ class TrainerRole:
             nursery.start_soon(provide_forever, swarm, key, self.config.provide_interval)
             nursery.start_soon(self.outbox.announce_forever, self.weights.announce_interval)
             nursery.start_soon(self.intake.compact_forever)
+            nursery.start_soon(watch_ranks, self.learner)  # a sharded learner's: a dead rank stops the node
             self.dashboard_url = await open_dashboard(nursery, self.settings.dashboard, self.dashboard_state)
             nursery.start_soon(self.train)
             await self.finished.wait()
