@@ -10,9 +10,8 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # The README's test command runs one worker per core (`-n auto --dist loadgroup`). A module is a worker's unit (its
-# module-scoped fixtures are built once); tests that build network namespaces share fixed names and the 10.77/10.78
-# subnets, and tests of the realistic fixture share its build: each of those sets runs on one worker.
-NETLAB_MODULES = ("test_wan", "test_nat")
+# module-scoped fixtures are built once), and so are the tests of the realistic fixture (one worker builds it). The
+# network-namespace labs may run side by side: each names its namespaces with its own tag.
 # The longest tests' modules go first, so that the other worker runs the many short ones beside them instead of
 # waiting at the end (longest-first scheduling).
 LONGEST_FIRST = ("test_wan_faults", "test_nat_swarm")
@@ -23,9 +22,9 @@ def _module(item) -> str:
 
 
 def _groups(items) -> dict[str, str]:
-    """Each module's group: netlab, realistic (a module with a test of the realistic fixture), or itself."""
+    """Each module's group: realistic (a module with a test of the realistic fixture), or itself."""
     realistic = {_module(i) for i in items if "realistic_model_dir" in getattr(i, "fixturenames", ())}
-    return {m: "netlab" if m in NETLAB_MODULES else "realistic" if m in realistic else m for m in map(_module, items)}
+    return {m: "realistic" if m in realistic else m for m in map(_module, items)}
 
 
 def _rank(item) -> int:
