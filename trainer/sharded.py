@@ -14,15 +14,17 @@ together (trainer/distributed.py decides which; trainer/leader.py is rank 0's vi
   the way FSDP cuts it), and scoring is a collective forward with the rows dealt to the ranks.
 - Checkpoints: DCP (trainer/sharded_state.py).
 
-Loading reads the full model on each rank once, on the CPU, before sharding it (transient; then freed).
+Loading: each rank reads the full model on the CPU and shards it, one rank after another (``in_turn``), so the
+host holds one full copy at a time beside the shards, not one per rank.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -52,6 +54,8 @@ from trainer.scorer import Scorer
 from trainer.settings import LearnerSettings
 from trainer.sharded_state import load_full, load_sharded, save_sharded
 from trainer.tasks import Task
+
+T = TypeVar("T")
 
 
 def decoder_layers(lm: PreTrainedModel) -> list[torch.nn.Module]:
@@ -83,6 +87,16 @@ def resharded(policy: torch.nn.Module) -> torch.nn.Module:
         if isinstance(m, FSDPModule):
             m.reshard()
     return policy
+
+
+def in_turn(ranks: Ranks, build: Callable[[], T]) -> T:
+    """``build()`` on each rank in rank order, one at a time (a model read whole before sharding: host memory)."""
+    out = None
+    for r in range(ranks.world):
+        if r == ranks.rank:
+            out = build()
+        dist.barrier(group=ranks.control)
+    return out  # type: ignore[return-value]
 
 
 def gathered(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -157,8 +171,8 @@ class ShardedScorer(Scorer):
         super().__init__(*args)
 
     def _load_model(self, model_dir: Path) -> torch.nn.Module:
-        lm = load_model(model_dir, self.precision.scoring, "cpu").eval()
-        return shard(lm, self.ranks.mesh).eval()
+        mesh = self.ranks.mesh
+        return in_turn(self.ranks, lambda: shard(load_model(model_dir, self.precision.scoring, "cpu").eval(), mesh))
 
     def forget_older_than(self, version: int) -> None:
         if self.ranks.rank == 0:
@@ -214,17 +228,22 @@ class ShardedLearner(Learner):
 
     # -- the model, sharded ------------------------------------------------------------------------------
     def _load_policy(self, model_dir: Path) -> tuple[PreTrainedModel, torch.nn.Module]:
-        model = load_model(model_dir, torch.float32, "cpu").eval()
-        if self.settings.activation_checkpointing:
-            model.activation_checkpointing_enable()
-            model.config.use_cache = False
-        mp = None
+        mp, mesh = None, self.ranks.mesh
         if self.precision.compute != torch.float32:
             mp = MixedPrecisionPolicy(param_dtype=self.precision.compute, reduce_dtype=torch.float32)
-        return model, shard(model, self.ranks.mesh, mp)
+
+        def build() -> tuple[PreTrainedModel, torch.nn.Module]:
+            model = load_model(model_dir, torch.float32, "cpu").eval()
+            if self.settings.activation_checkpointing:
+                model.activation_checkpointing_enable()
+                model.config.use_cache = False
+            return model, shard(model, mesh, mp)
+
+        return in_turn(self.ranks, build)
 
     def _load_reference(self, model_dir: Path) -> torch.nn.Module:
-        return shard(load_model(model_dir, self.precision.scoring, "cpu").eval(), self.ranks.mesh).eval()
+        mesh = self.ranks.mesh
+        return in_turn(self.ranks, lambda: shard(load_model(model_dir, self.precision.scoring, "cpu").eval(), mesh))
 
     def _make_scorer(self, model_dir: Path, keep: int, root: Path) -> Scorer:
         return ShardedScorer(self.ranks, model_dir, self.precision, keep, root, self.settings.micro_batch_tokens)
