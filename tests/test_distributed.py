@@ -131,9 +131,12 @@ def test_two_ranks_train_score_and_publish_like_one(tmp_path, tiny_model_dir, ra
         assert losses == pytest.approx([losses[0]] * 3, rel=LOSS_RTOL), seed
 
 
-def test_bf16_mixed_precision_on_two_ranks_trains_close_to_one(tmp_path, tiny_model_dir, ranks):
-    one = Learner(tiny_model_dir, settings(dtype="bf16"), 3, tmp_path / "one")
-    two = LeaderLearner(ranks, tiny_model_dir, settings(dtype="bf16"), 3, tmp_path / "two")
+def test_bf16_mixed_precision_with_activation_checkpointing_on_two_ranks_trains_close_to_one(
+    tmp_path, tiny_model_dir, ranks
+):
+    knobs = settings(dtype="bf16", activation_checkpointing=True)
+    one = Learner(tiny_model_dir, knobs, 3, tmp_path / "one")
+    two = LeaderLearner(ranks, tiny_model_dir, knobs, 3, tmp_path / "two")
     for seed in range(2):
         m1, m2 = one.step(groups(4, seed)), two.step(groups(4, seed))
         assert m2["loss"] == pytest.approx(m1["loss"], rel=0.05, abs=1e-3)  # bf16 compute: rounding differs
