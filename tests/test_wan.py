@@ -107,15 +107,23 @@ def trainer_args(max_steps: int = 100_000) -> list[str]:
 
 FIGURES = Path(__file__).resolve().parents[1] / "runs" / "wan"
 # hostile peers, all at once for a measuring window: (mode of bench/netlab/hostile.py, region)
-ATTACKS = (("withhold", "na"), ("inject", "eu"), ("sybil", "asia"), ("bomb", "sa"))
+ATTACKS = (
+    ("withhold", "na"), ("inject", "eu"), ("sybil", "asia"), ("bomb", "sa"),
+    ("headers", "asia"), ("idle", "eu"), ("relay", "sa"),
+)  # fmt: skip
 ATTACK_WINDOW = 20.0
 # when each attack is in effect (its measuring window starts then): a withholder must have been asked for chunks it
-# claims, an injector must have sent groups, a sybil must have made an identity, a bomber must have sent something
+# claims, an injector must have sent groups, a sybil must have made an identity, a bomber must have sent something,
+# a header flooder must have stalled a rollout stream, an idle holder must hold a connection, a relay thief must have
+# sent its made-up reservations and its own
 ENGAGED = {
     "withhold": lambda s: s.get("requests_held", 0) > 0,
     "inject": lambda s: s.get("groups_sent", 0) > 0,
     "sybil": lambda s: s.get("identities", 0) >= 1,
     "bomb": lambda s: sum(s.get("sent", {}).values()) > 0,
+    "headers": lambda s: s.get("sent", {}).get("rollout", 0) > 0,
+    "idle": lambda s: s.get("held", 0) > 0,
+    "relay": lambda s: s.get("rounds", 0) >= 1,
 }
 
 
@@ -393,6 +401,11 @@ def test_wan_faults_lose_nothing_and_every_sampler_converges(tmp_path, tiny_mode
     assert attack_states["inject"].get("rollouts_accepted", 0) == 0  # ...no injected group was ever accepted
     assert attack_states["sybil"]["identities"] >= 3 and attack_states["sybil"]["replies"].get("accepted", 0) == 0
     assert attack_states["bomb"]["sent"].get("bomb", 0) > 0
+    assert attack_states["headers"]["sent"].get("rollout", 0) > 0  # stalled frames held nothing honest needed
+    # the idle holder dials from one address: the trainer holds 8 of its connections and refuses the others
+    assert 0 < attack_states["idle"]["most_held"] <= 8 and attack_states["idle"].get("refused", 0) > 0
+    # after the thief's made-up reservations (and its own), a fresh identity still reserves a relay slot
+    assert attack_states["relay"]["probe"].get("OK", 0) >= 1, attack_states["relay"]
     assert banned_after_attacks >= 2  # the injector and sybil identities (never an honest sampler: checked above)
     # nothing accepted is lost: every group the trainer ever acknowledged was trained on, dropped as too
     # stale or without signal (counted), or is still buffered, across the restart

