@@ -15,6 +15,13 @@ positions), while a second engine of each kind does a full swap of the same vers
 - bit-exactness: the rebuilt file is byte-identical to the trainer's, every tensor hashes to its manifest entry,
   and every in-place engine holds exactly the parameters the swapped engine holds.
 
+int8-grid (issue 27), in part 1: every version is also published by a second Publisher as int8-grid (MLX int8
+group codes on grids frozen from version 0, node/weights/grid.py) and rebuilt from its patch by a second sampler
+store: bytes per version against the bf16 patch and the full int8 file, groups re-gridded, bit-exactness. Both
+patch kinds' streams are also compressed by zstd 1-3 (and with a trained dictionary) and in grail's sparse layout
+(bench/delta_grid.py). Then the frozen grid's fidelity: logprob differences on the realistic trained fixture after
+10 and 50 versions of real AdamW steps at each lr (bench/delta_grid.py says how).
+
 Part 2, in the WAN lab (bench/wan.py's network namespaces, one process per node running the product's weight
 stack; needs root): the origin replays the real lr=1e-6 versions of part 1 as bf16 versions; rounds alternate a
 version shipped whole (no patch) and one shipped as a patch (the product's default), and each round's time from
@@ -23,6 +30,9 @@ publish to the last sampler holding the version is compared, full against patch,
 Writes bench/results/delta.txt and bench/results/delta.png. Takes about 10 minutes on a 2-core box.
 
     .venv/bin/python bench/delta.py [--steps 4] [--layers 10 --hidden 512] [--wan-samplers 6] [--no-wan]
+        [--fidelity-versions 50]
+
+Without the WAN lab (--no-wan, or no root), part 2's lines are carried over from the last results file, marked so.
 """
 
 from __future__ import annotations
@@ -50,9 +60,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from libp2p.crypto.ed25519 import create_new_key_pair
 
+from bench.delta_grid import Fidelity, Streams, codec_sizes, fidelity, fidelity_lines, patch_streams
 from bench.netlab.topology import lab_unavailable
 from bench.wan import Round, delta_lines, run_lab
 from node.engines import Engine, install, make_engine
+from node.weights.grid import GRID_ENCODING
 from node.weights.hashes import hash_weights
 from node.weights.manifest import WEIGHTS_FILE
 from node.weights.patch import INTS, UINTS, build_patch
@@ -72,6 +84,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 LRS = (1e-6, 1e-5, 1e-4)
 TARGET_FRACTION = 0.02  # of the full bf16 version, per version at lr 1e-6
 TARGET_SPEEDUP = 20.0  # time to all samplers, full / patch, in the WAN lab
+TARGET_GRID = 0.003  # an int8-grid patch, of the full bf16 version, per version at lr 1e-6 (worst step)
 MLX_BITS = 8
 
 
@@ -102,6 +115,12 @@ class Row:
     floor_bytes: float  # entropy of the changes, positions and values iid per tensor: no such coder does better
     ctx_floor_bytes: float  # the same, positions conditioned on the parent element's exponent
     lzma_bytes: int | None  # the same patch with the product's lzma codec (measured when zlib's is under 10%)
+    grid_patch_bytes: int = 0  # the int8-grid version's patch (node/weights/grid.py)
+    grid_full_bytes: int = 0  # the int8-grid version's whole weights file
+    grid_changed: int = 0  # codes (and other elements) its patch changes
+    grid_regridded: int = 0  # groups the re-grid rule gave a fresh grid at this version
+    grid_exact: bool = False  # rebuilt from its parent and patch by a sampler's store: the trainer's file, bit for bit
+    codecs: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)  # stream -> codec -> (index, value)
 
     @property
     def fraction(self) -> float:
@@ -114,6 +133,10 @@ class Row:
     @property
     def exact(self) -> bool:
         return self.exact_file and self.exact_hashes and self.exact_torch and self.exact_mlx
+
+    @property
+    def grid_fraction(self) -> float:
+        return self.grid_patch_bytes / self.full_bytes
 
 
 @dataclass
@@ -249,17 +272,26 @@ def run_lr(
         ChunkStore(root / "trainer"), create_new_key_pair(), "delta", anchor_every=1 << 20, patch_max_fraction=10.0
     )
     node = ChunkStore(root / "sampler")
+    # the same versions in the encoding an MLX int8 sampler runs: codes on grids frozen from version 0
+    gpub = Publisher(
+        ChunkStore(root / "grid-trainer"), create_new_key_pair(), "delta-grid", anchor_every=1 << 20,
+        patch_max_fraction=10.0, encoding=GRID_ENCODING,
+    )  # fmt: skip
+    gnode = ChunkStore(root / "grid-sampler")
+    kept = root / "kept"  # each encoding's previous file, for the codec comparison
+    kept.mkdir()
 
     def publish(version: int) -> tuple[bytes, SignedManifest, Manifest]:
         staging = learner.save_model_dir(pub.staging_dir(version))
         if keep is not None:
             shutil.copytree(staging, keep / f"v{version}", copy_function=shutil.copy2)
+        shutil.copytree(staging, gpub.staging_dir(version), copy_function=shutil.copy2)
         return pub.publish(staging, version)
 
-    def give(meta: tuple[bytes, SignedManifest, Manifest], route: str) -> None:
+    def give(meta: tuple[bytes, SignedManifest, Manifest], route: str, store: ChunkStore = node, src=pub) -> None:
         _, signed, m = meta
-        node.add_manifest(signed, m)
-        node.put_verified({h: pub.store.read(h) for h in node.route_chunks(m, route)})
+        store.add_manifest(signed, m)
+        store.put_verified({h: src.store.read(h) for h in store.route_chunks(m, route)})
 
     def wire_size(signed: SignedManifest) -> int:
         return len(msgpack.packb(signed.to_wire(), use_bin_type=True))
@@ -267,6 +299,11 @@ def run_lr(
     progress.update(bar, description=f"lr {lr:g}: version 0, engines")
     meta, full_publish_s = timed(publish, 0)
     give(meta, "full")
+    gmeta = gpub.publish(gpub.staging_dir(0), 0)
+    give(gmeta, "full", gnode, gpub)
+    gnode.assemble(gmeta[2])
+    shutil.copyfile(gpub.links / "v0.safetensors", kept / "grid.safetensors")
+    previous: dict[str, Streams] = {}
     d0, full_assemble_s = timed(node.assemble, meta[2])
     run = LrRun(lr, full_publish_s, full_assemble_s, wire_size(meta[1]))
     live_torch, ref_torch = make_engine("torch", d0, version=0), make_engine("torch", d0, version=0)
@@ -290,6 +327,26 @@ def run_lr(
             again = build_patch(learner.scorer.path(version - 1), learner.scorer.path(version), "lzma")
             assert again is not None
             lzma_bytes = again.size
+        progress.update(bar, description=f"lr {lr:g}: step {step}/{steps}, int8-grid")
+        gparent = gmeta
+        gmeta = gpub.publish(gpub.staging_dir(version), version)
+        gstats = gpub.last_stats
+        assert gstats is not None and gstats.patch_bytes is not None and gstats.grid is not None
+        give(gmeta, "patch", gnode, gpub)
+        gout, _gchanges = gnode.build_patched(gmeta[2], gparent[2])
+        grid_file = gpub.links / f"v{version}.safetensors"
+        grid_exact = (gout / WEIGHTS_FILE).read_bytes() == grid_file.read_bytes()
+        codecs = {}
+        pairs = (
+            ("bf16", learner.scorer.path(version - 1), learner.scorer.path(version)),
+            ("int8-grid", kept / "grid.safetensors", grid_file),
+        )
+        for kind, old, new in pairs:
+            streams = patch_streams(old, new)
+            codecs[kind] = codec_sizes(streams, previous.get(kind))
+            previous[kind] = streams
+        shutil.copyfile(grid_file, kept / "grid.safetensors")
+        gnode.gc(keep=2)
         progress.update(bar, description=f"lr {lr:g}: step {step}/{steps}, sampler")
         give(meta, "patch")
         (out, changes), rebuild_s = timed(node.build_patched, m, parent[2])
@@ -330,6 +387,12 @@ def run_lr(
                 floor,
                 ctx_floor,
                 lzma_bytes,
+                gstats.patch_bytes,
+                gstats.full_bytes,
+                gstats.changed,
+                gstats.grid.regridded,
+                grid_exact,
+                codecs,
             )
         )
         r = run.rows[-1]
@@ -338,7 +401,8 @@ def run_lr(
             f" MB ({r.changed / r.elements:.2%} of elements changed), build {r.build_s:.2f} s,"
             f" rebuild {r.rebuild_s:.2f} s,"
             f" torch {r.torch_update_s:.3f}/{r.torch_swap_s:.3f} s, mlx {r.mlx_update_s:.3f}/{r.mlx_swap_s:.3f} s"
-            f" (update/swap), bit-exact {r.exact}"
+            f" (update/swap), bit-exact {r.exact}; int8-grid patch {r.grid_patch_bytes / 1e6:.3f} MB ="
+            f" {r.grid_fraction:.3%} of full bf16 ({r.grid_regridded} groups re-gridded), bit-exact {r.grid_exact}"
         )
         node.gc(keep=2)
         progress.advance(bar)
@@ -389,6 +453,10 @@ def lr_lines(runs: list[LrRun]) -> tuple[Table, list[str]]:
         "torch update s (swap)",
         "mlx int8 update s (swap)",
         "bit-exact",
+        "int8-grid patch / full bf16",
+        "grid max",
+        "grid / full int8",
+        "grid bit-exact",
     )
     for c in cols:
         table.add_column(c)
@@ -409,6 +477,10 @@ def lr_lines(runs: list[LrRun]) -> tuple[Table, list[str]]:
             f"{median(r.torch_update_s for r in rows):.3f} ({median(r.torch_swap_s for r in rows):.3f})",
             f"{median(r.mlx_update_s for r in rows):.3f} ({median(r.mlx_swap_s for r in rows):.3f})",
             f"{sum(r.exact for r in rows)}/{len(rows)}",
+            f"{mean(r.grid_fraction for r in rows):.3%}",
+            f"{max(r.grid_fraction for r in rows):.3%}",
+            f"{mean(r.grid_patch_bytes / r.grid_full_bytes for r in rows):.3%}",
+            f"{sum(r.grid_exact for r in rows)}/{len(rows)}",
         )
         table.add_row(*cells)
         lines.append("  ".join(f"{c}={v}" for c, v in zip(cols, cells, strict=True)))
@@ -421,9 +493,37 @@ def lr_lines(runs: list[LrRun]) -> tuple[Table, list[str]]:
                 f"learn {r.learn_s:.2f} s, build {r.build_s:.3f} s, publish {r.publish_s:.3f} s, "
                 f"rebuild {r.rebuild_s:.3f} s, torch update {r.torch_update_s:.3f} s / swap {r.torch_swap_s:.3f} s, "
                 f"mlx update {r.mlx_update_s:.3f} s / swap {r.mlx_swap_s:.3f} s, exact file {r.exact_file} "
-                f"hashes {r.exact_hashes} torch {r.exact_torch} mlx {r.exact_mlx}, reward {r.reward:.3f}"
+                f"hashes {r.exact_hashes} torch {r.exact_torch} mlx {r.exact_mlx}, reward {r.reward:.3f}; "
+                f"int8-grid: full {r.grid_full_bytes} B, patch {r.grid_patch_bytes} B ({r.grid_fraction:.3%} of full "
+                f"bf16, {r.grid_patch_bytes / r.grid_full_bytes:.3%} of full int8), {r.grid_changed} elements "
+                f"changed, {r.grid_regridded} groups re-gridded, exact {r.grid_exact}"
             )
     return table, lines
+
+
+def codec_lines(runs: list[LrRun]) -> list[str]:
+    """Per lr and stream (bf16, int8-grid): each codec's index and value bytes, summed over the versions, as a share
+    of the full bf16 versions; the best per stream kind marked."""
+    lines = []
+    for run in runs:
+        full = sum(r.full_bytes for r in run.rows)
+        for kind in ("bf16", "int8-grid"):
+            names = [c for c in run.rows[-1].codecs.get(kind, {}) if all(c in r.codecs.get(kind, {}) for r in run.rows)]
+            if not names:
+                continue
+            idx = {c: sum(r.codecs[kind][c][0] for r in run.rows) for c in names}
+            val = {c: sum(r.codecs[kind][c][1] for r in run.rows) for c in names}
+            best_i, best_v = min(idx, key=idx.__getitem__), min(val, key=val.__getitem__)
+            cells = "; ".join(
+                f"{c} {100 * (idx[c] + val[c]) / full:.3f}% (index {100 * idx[c] / full:.3f}%, values "
+                f"{100 * val[c] / full:.3f}%)"
+                for c in names
+            )
+            lines.append(
+                f"    lr {run.lr:g} {kind} patches, % of full bf16 (versions {run.rows[0].version}-"
+                f"{run.rows[-1].version}): {cells}. Best index stream: {best_i}; best value stream: {best_v}"
+            )
+    return lines
 
 
 def verdicts(runs: list[LrRun], rounds: list[Round] | None) -> list[str]:
@@ -435,9 +535,19 @@ def verdicts(runs: list[LrRun], rounds: list[Round] | None) -> list[str]:
         out.append(
             f"target <= {TARGET_FRACTION:.0%} of full bf16 per version at lr {LRS[0]:g}: worst {worst:.3%} ({ok})"
         )
+        worst = max(r.grid_fraction for r in low.rows)
+        ok = "MET" if worst <= TARGET_GRID else "MISSED"
+        out.append(
+            f"target int8-grid patch <= {TARGET_GRID:.1%} of full bf16 per version at lr {LRS[0]:g}: worst "
+            f"{worst:.3%} ({ok})"
+        )
     rows = [r for run in runs for r in run.rows]
     exact = sum(r.exact for r in rows)
     out.append(f"target bit-exact: {exact}/{len(rows)} versions ({'MET' if exact == len(rows) else 'MISSED'})")
+    exact = sum(r.grid_exact for r in rows)
+    out.append(
+        f"target int8-grid bit-exact: {exact}/{len(rows)} versions ({'MET' if exact == len(rows) else 'MISSED'})"
+    )
     if rounds:
         ratio = mean(r.t_all for r in rounds if r.mode == "full") / mean(r.t_all for r in rounds if r.mode == "patch")
         ok = "MET" if ratio >= TARGET_SPEEDUP else "MISSED"
@@ -465,15 +575,18 @@ def plot(runs: list[LrRun], rounds: list[Round] | None, png: Path, title: str) -
                 "kx",
                 label="entropy floor, context" if not k + j else None,
             )
+            ax.bar(at, 100 * r.grid_fraction, width * 0.5, color="k", alpha=0.6,
+                   label="int8-grid patch" if not k + j else None)  # fmt: skip
         ax.plot(
             [k - 0.4, k + 0.4], [100 * mean(r.changed / r.elements for r in run.rows)] * 2, "k:", lw=1.5,
             label="bf16 elements changed" if k == 0 else None,
         )  # fmt: skip
     ax.axhline(100 * TARGET_FRACTION, color="grey", ls="--", label=f"target {TARGET_FRACTION:.0%} at lr {LRS[0]:g}")
+    ax.axhline(100 * TARGET_GRID, color="k", ls=":", label=f"int8-grid target {TARGET_GRID:.1%} at lr {LRS[0]:g}")
     ax.set_xticks(range(len(runs)), [f"lr {run.lr:g}" for run in runs])
     ax.set(yscale="log", ylabel="% of the full bf16 version", title="patch bytes per version (a bar per step)")
-    ax.set_ylim(bottom=0.5)
-    ax.set_yticks([0.5, 1, 2, 5, 10, 20, 50])
+    ax.set_ylim(bottom=0.05)
+    ax.set_yticks([0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50])
     ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
     ax.yaxis.set_minor_formatter(NullFormatter())
     ax.legend(fontsize=8)
@@ -514,6 +627,26 @@ def plot(runs: list[LrRun], rounds: list[Round] | None, png: Path, title: str) -
     plt.close(fig)
 
 
+def previous_wan(path: Path, verdict: bool = False) -> list[str]:
+    """Part 2 of the last results file (the WAN lab, not rerun this time), labelled as such: its block, or its
+    verdict line."""
+    if not path.exists():
+        return []
+    old = path.read_text().splitlines()
+    if verdict:
+        tag = " [previous run]"
+        return [line.removesuffix(tag) + tag for line in old if line.startswith("target >=") and "WAN lab" in line]
+    start = next((i for i, line in enumerate(old) if line.startswith("part 2:")), None)
+    if start is None:
+        return []
+    end = next((i for i in range(start, len(old)) if old[i].startswith("target ")), len(old))
+    head = old[start]
+    if "[not rerun here" not in head:
+        when = old[0].split("(", 1)[1].split(",", 1)[0] if "(" in old[0] else "?"
+        head += f" [not rerun here: the previous run's, {when}]"
+    return [head, *old[start + 1 : end]]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=4, help="GRPO steps (versions) per learning rate")
@@ -528,6 +661,9 @@ def main() -> int:
     ap.add_argument("--origin-mbps", type=float, default=25.0, help="WAN lab: the trainer's uplink")
     ap.add_argument("--link-scale", type=float, default=1.0, help="WAN lab: samplers' access links x this")
     ap.add_argument("--out", default="delta", help="results file stem under bench/results")
+    ap.add_argument(
+        "--fidelity-versions", type=int, default=50, help="int8-grid fidelity: AdamW steps per lr (0: skip)"
+    )
     args = ap.parse_args()
     wan = not args.no_wan
     if wan and (why := lab_unavailable()):
@@ -555,6 +691,15 @@ def main() -> int:
             shutil.rmtree(root / f"lr{lr:g}")
         if wan:
             rounds = run_wan(versions, args, progress)
+        fid: list[Fidelity] = []
+        if args.fidelity_versions:
+            from trainer.realistic_model import cached_realistic_model
+
+            realistic = cached_realistic_model(cache_dir=Path(__file__).resolve().parents[1] / "runs" / ".fixtures")
+            at = tuple(v for v in (10, 50, args.fidelity_versions) if v <= args.fidelity_versions)
+            for lr in args.lrs:
+                progress.console.print(f"int8-grid fidelity: lr {lr:g}, {args.fidelity_versions} versions")
+                fid += fidelity(realistic, lr, args.fidelity_versions, tuple(sorted(set(at))))
     elapsed = time.time() - t_start
     table, lines = lr_lines(runs)
     console.print(table)
@@ -569,7 +714,26 @@ def main() -> int:
         head,
         "part 1: per lr (bytes: mean over steps, max; times: median over steps); baselines in parentheses",
         *lines,
+        "int8-grid (node/weights/grid.py): the same versions as MLX int8 group codes (group 64, bf16 scales and "
+        "biases) on grids frozen from version 0 (re-gridded per group by GridRule: no element over 2 steps outside "
+        "its codes, step <= 1.25x fresh; a fresh MLX grid clips up to 1.5); its patch is the product's patch of the "
+        "grid file against its parent's",
+        "codecs: the product's patch streams (index: gap varints or bitmap; values: zigzag varints of the bit "
+        "deltas) under zlib-6, zstd 1-3 and zstd-3 with a dictionary trained on the previous version's streams "
+        "(its bytes counted); grail's layout: index deltas narrowed to uint8/uint16/uint32 per tensor, new values "
+        "raw, zstd-3",
+        *codec_lines(runs),
     ]
+    if fid:
+        out += [
+            "int8-grid fidelity: the realistic trained fixture (trainer/realistic_model.py), real AdamW steps "
+            "(fp32 master weights, its next-token task, batch 32) published as bf16; per completion token of 512 "
+            "teacher-forced task examples, fp32 compute: fresh int8 = MLX's own quantization of each version (the "
+            "int8 noise itself), grid = the int8-grid version, grid no rule = frozen at v0 whatever happens",
+            *fidelity_lines(fid),
+        ]
+    if not rounds:
+        out += previous_wan(RESULTS / f"{args.out}.txt")
     if rounds:
         wan_head = (
             f"part 2: WAN lab, {args.wan_samplers} samplers, origin {args.origin_mbps:g} Mbit/s, access links "
@@ -583,6 +747,8 @@ def main() -> int:
                 f"origin uploaded {r.uploaded} B, CPU {r.cpu_share:.0%}"
             )
     out += verdicts(runs, rounds)
+    if not rounds:
+        out += previous_wan(RESULTS / f"{args.out}.txt", verdict=True)
     out.append(
         f"bench runtime {elapsed:.0f} s; 1-minute load average {load_start:.1f} at the start, "
         f"{os.getloadavg()[0]:.1f} at the end (other jobs on the box inflate the times above)"
