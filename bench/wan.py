@@ -16,9 +16,11 @@ Python), so part of the swarm's gap to the ideal is CPU time, not link time.
 patch of its parent (``patch``, the product's default), both swarming; each version is one AdamW-sized step
 (every fp32 master weight moved by ``--delta-lr``, as Adam's first step does) from the last. Prints time to all
 samplers, full against patch, against the ideal and the ideal + 3 round trips of the slowest path, with the CPU
-share beside it; appends a dated block to bench/results/wan.txt and plots bench/results/wan_delta.png. A first,
-uncounted ``warmup`` patch gives the origin a patch size to cut pieces by. ``--patch-only`` skips the full rounds;
-``--no-push`` runs the origin without push (announce, then requests only: the baseline).
+share beside it; appends a dated block to bench/results/wan.txt and plots bench/results/wan_delta.png. Two
+uncounted ``warmup`` patches come first: the origin cuts pieces by the last patch's size, so the first gives it one
+and the second is cut with it (its other files re-cut once). ``--patch-only`` skips the full rounds;
+``--no-push`` runs the origin without push (announce, then requests only: the baseline); ``--compare-push``
+alternates push rounds (``patch``) with baseline rounds (``nopush``: no push, configured chunk size) in one lab.
 bench/delta.py runs this mode on real trained versions and records it.
 
     sudo .venv/bin/python bench/wan.py [--samplers 12] [--origin-mbps 100] [--rounds 2]
@@ -201,6 +203,7 @@ def main() -> int:
     ap.add_argument("--chunk-kib", type=int, default=1024, help="the origin's largest chunk (the product's default)")
     ap.add_argument("--patch-only", action="store_true", help="with --delta: patch rounds only (no full rounds)")
     ap.add_argument("--no-push", action="store_true", help="with --delta: the origin announces only (the baseline)")
+    ap.add_argument("--compare-push", action="store_true", help="with --delta --patch-only: push and baseline rounds")
     args = ap.parse_args()
     why = lab_unavailable()
     if why:
@@ -208,11 +211,11 @@ def main() -> int:
         return 2
     pair = ("full", "patch") if args.delta else ("swarm", "naive")
     if args.delta and args.patch_only:
-        pair = ("patch",)
+        pair = ("patch", "nopush") if args.compare_push else ("patch",)
     modes = [m for _ in range(args.rounds) for m in pair]
     origin_args = ("--chunk-size", str(args.chunk_kib << 10))
     if args.delta:
-        modes = ["warmup", *modes]
+        modes = ["warmup", "warmup", *modes]
         origin_args += ("--delta", "--delta-lr", str(args.delta_lr))
         origin_args += ("--no-push",) if args.no_push else ()
     with TemporaryDirectory(prefix="swarmrl-wan-") as tmp, Progress(console=console) as progress:
@@ -277,7 +280,7 @@ def delta_lines(rounds: list[Round], samplers: int, origin_mbps: float, link_sca
     lines = []
     means = {}
     rtt = slowest_rtt(samplers)
-    for mode in ("full", "patch"):
+    for mode in ("full", "patch", "nopush"):
         mine = [r for r in rounds if r.mode == mode]
         if not mine:
             continue
@@ -295,8 +298,10 @@ def delta_lines(rounds: list[Round], samplers: int, origin_mbps: float, link_sca
             f"CPU share of the machine per round {' '.join(f'{r.cpu_share:.0%}' for r in mine)}"
         )
         lines.append(f"  {mode}, median over samplers and rounds: {phase_line(mine)}")
-    if len(means) == 2:
+    if "full" in means and "patch" in means:
         lines.append(f"time to all samplers, full / patch = {means['full'] / means['patch']:.1f}x")
+    if "nopush" in means and "patch" in means:
+        lines.append(f"time to all samplers, no push / push = {means['nopush'] / means['patch']:.2f}x")
     return lines
 
 
@@ -319,16 +324,17 @@ def report_delta(rounds: list[Round], args: argparse.Namespace) -> None:
     for line in lines:
         console.print(line)
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    flag = " --no-push" if args.no_push else " --compare-push" if args.compare_push else " (push)"
     head = (
         f"\n## {when}: bench/wan --delta{' --patch-only' if args.patch_only else ''}"
-        f"{' --no-push' if args.no_push else ' (push)'}: {args.samplers} samplers, origin {args.origin_mbps:g} "
+        f"{flag}: {args.samplers} samplers, origin {args.origin_mbps:g} "
         f"Mbit/s, access links x{args.link_scale:g}, lr {args.delta_lr:g}, {args.layers} layers x {args.hidden}, "
         f"{args.rounds} rounds per mode (nice 19 on a shared 2-core box: see the CPU share)\n"
     )
     RESULTS.mkdir(exist_ok=True)
     with open(RESULTS / "wan.txt", "a") as fh:
         fh.write(head + "\n".join(lines) + "\n")
-    patch = [r for r in rounds if r.mode == "patch"]
+    patch = [r for r in rounds if r.mode in ("patch", "nopush")]
     if patch:
         size = int(statistics.mean(r.size for r in patch))
         ideal = ideal_time(size, args.samplers, args.origin_mbps, args.link_scale)
@@ -350,7 +356,7 @@ def plot(rounds: list[Round], ideal: float, path: Path, title: str, target: floa
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    colors = {"swarm": "tab:blue", "naive": "tab:red", "patch": "tab:blue", "full": "tab:red"}
+    colors = {"swarm": "tab:blue", "naive": "tab:red", "patch": "tab:blue", "full": "tab:red", "nopush": "tab:orange"}
     seen = set()
     for r in rounds:
         ys = [(i + 1) / len(r.arrivals) for i in range(len(r.arrivals))]

@@ -11,8 +11,10 @@ downloads from the origin alone.
 where the version is shipped whole (no patch). Each new version is one step of ``--delta-lr`` per fp32 master weight
 (the size of Adam's first step), or, with ``--versions DIR``, the model dirs ``DIR/v0``, ``DIR/v1``, ... published
 in turn (real trained versions, bench/delta.py). Mode ``warmup`` publishes a patch the driver does not count (the
-piece size follows the last patch's size: this gives it one). Unless ``--no-push``, the origin pushes each small
-version to the samplers as it announces it (node/weights/server.py, OriginPush), and pieces are sized for that.
+piece size follows the last patch's size: this gives it one); mode ``nopush`` publishes a patch without push, in
+chunks of the configured size (the baseline, interleaved with push rounds). Unless ``--no-push``, the origin
+pushes each small version to the samplers as it announces it (node/weights/server.py, OriginPush), and pieces are
+sized for that.
 """
 
 from __future__ import annotations
@@ -94,6 +96,7 @@ class Origin:
             on_published=self.note,
             pusher=OriginPush(self.server) if self.push else None,
         )
+        self.pusher = self.outbox.pusher
 
     def stage(self, version: int, staging: Path) -> Path:
         """Blocking: write ``version``'s model dir at ``staging``, where the publisher takes it."""
@@ -134,6 +137,11 @@ class Origin:
         self.server.origin = mode != "naive"
         if self.delta:
             self.publisher.patch_max_fraction = WHOLE if mode == "full" else PATCH_FRACTION
+        if mode == "nopush":  # the baseline beside push rounds: announce only, chunks of the configured size
+            self.outbox.pusher = None
+            self.publisher.chunk_size = self.chunk_size
+        else:
+            self.outbox.pusher = self.pusher
         await self.outbox.send(self.version + 1)
 
     async def run(self, swarm: Swarm) -> None:
