@@ -13,7 +13,12 @@ sampler, separate processes) takes a few GRPO steps, and this prints, per size:
 A table (bench/results/scale.txt) and a figure (bench/results/scale.png). The batch is small (CPU), so a step here is
 short: publishing grows with parameters, a step with parameters x tokens, so the fraction falls with batch size.
 
-    .venv/bin/python bench/scale.py [--sizes 3 30 300] [--steps 3] [--dtype auto]
+    .venv/bin/python bench/scale.py [--sizes 3 30 300] [--steps 3] [--dtype auto] [--nproc 1 2]
+
+With ``--nproc 1 2`` each size also runs with the learner sharded over 2 ranks (FSDP2 on gloo, the trainer's
+``--nproc``): a table of each rank's peak RSS (rank 0 is the node too; the others are its children, read from
+/proc) and step time, and the marginal bytes per parameter per rank against the single rank's divided by N
+(target: within 15%, activations aside). Results: bench/results/scale_nproc.txt.
 """
 
 from __future__ import annotations
@@ -62,10 +67,43 @@ def params_of(model_dir: Path) -> int:
     return sum(t.numel for t in read_layout(model_dir / "model.safetensors").tensors)
 
 
-def run_size(root: Path, mparams: int, steps: int, dtype: str, publish_dtype: str = "auto") -> dict:
-    layers, hidden = SHAPES[mparams]
+def rank_pids(pid: int) -> list[int]:
+    """The trainer's rank processes: its children (``--nproc``), read from /proc."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return sorted(out)
+
+
+def peak_rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def run_size(
+    root: Path,
+    mparams: int,
+    steps: int,
+    dtype: str,
+    publish_dtype: str = "auto",
+    nproc: int = 1,
+    shape: dict | None = None,
+    samplers: int = 1,
+    trainer_flags: tuple[str, ...] = (),
+) -> dict:
+    """One swarm run; ``shape`` (tiny_config's arguments) overrides the size's, ``trainer_flags`` are appended
+    (bench/gpu.py: ``--device cuda``, a bigger batch)."""
+    layers, hidden = SHAPES.get(mparams, (0, 0))
     with console.status(f"{mparams}M: building the model"):
-        model = build_random_model(root / "model", layers=layers, hidden=hidden)
+        model = build_random_model(root / "model", **(shape or {"layers": layers, "hidden": hidden}))
     n_params = params_of(model)
     port = free_port()
     boot_id = peer_id_of(load_or_create_key(root / "boot" / "identity.key"))
@@ -82,7 +120,8 @@ def run_size(root: Path, mparams: int, steps: int, dtype: str, publish_dtype: st
     procs = [spawn("bootstrap", "boot", "--listen", f"/ip4/127.0.0.1/tcp/{port}")]
     try:
         time.sleep(2)
-        procs.append(spawn("sampler", "s0", "--listen", "/ip4/127.0.0.1/tcp/0", "--engine", "torch"))
+        for k in range(samplers):
+            procs.append(spawn("sampler", f"s{k}", "--listen", "/ip4/127.0.0.1/tcp/0", "--engine", "torch"))
         trainer = spawn(
             "trainer",
             "trainer",
@@ -110,6 +149,8 @@ def run_size(root: Path, mparams: int, steps: int, dtype: str, publish_dtype: st
             publish_dtype,
             "--micro-batch-tokens",
             "4096",
+            *(["--nproc", str(nproc)] if nproc > 1 else []),
+            *trainer_flags,
         )
         procs.append(trainer)
         deadline = time.time() + 3600
@@ -128,6 +169,7 @@ def run_size(root: Path, mparams: int, steps: int, dtype: str, publish_dtype: st
             else:
                 raise SystemExit(f"{mparams}M did not finish within an hour")
         t_status, s_status = status(root / "trainer"), status(root / "s0")
+        workers = [peak_rss_mb(pid) for pid in rank_pids(trainer.pid)]  # before they exit
     finally:
         for p in procs:
             p.terminate()
@@ -139,6 +181,8 @@ def run_size(root: Path, mparams: int, steps: int, dtype: str, publish_dtype: st
     published = [r for r in records if "published" in r]
     return {
         "mparams": mparams,
+        "nproc": nproc,
+        "rank_peak_rss_mb": [t_status["peak_rss_mb"], *workers],
         "params": n_params,
         "peak_rss_mb": t_status["peak_rss_mb"],
         # the high-water mark before the first step (models loaded), after it (+ gradients, AdamW state, activations)
@@ -146,6 +190,9 @@ def run_size(root: Path, mparams: int, steps: int, dtype: str, publish_dtype: st
         "rss_first_step_mb": done[0].get("peak_rss_mb", float("nan")),
         "rss_per_param": t_status["peak_rss_mb"] * (1 << 20) / n_params,
         "activation_mb": max(r.get("activation_mb", 0.0) for r in done),  # the largest micro-batch's
+        "device_peak_mb": max((r.get("device_peak_mb", float("nan")) for r in done), default=float("nan")),
+        "busy_fraction": done[-1].get("busy_fraction", float("nan")),
+        "verify_tokens": sum(r["verify_tokens"] for r in steps_done) / len(steps_done),
         "learn_s": mean("time_learn"),
         "forward_s": mean("time_forward"),
         "backward_s": mean("time_backward"),
@@ -223,7 +270,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"])
     ap.add_argument("--publish-dtype", default="auto", choices=["auto", "bf16", "fp32"])
+    ap.add_argument("--nproc", type=int, nargs="+", default=[1], help="learner ranks to compare (e.g. 1 2)")
     args = ap.parse_args()
+    if args.nproc != [1]:
+        return main_nproc(args)
     rows = []
     for m in args.sizes:
         with TemporaryDirectory() as tmp:
@@ -287,6 +337,106 @@ def main() -> None:
     )
     plot(rows, RESULTS / "scale.png")
     console.print(f"wrote {RESULTS / 'scale.txt'} and {RESULTS / 'scale.png'}")
+
+
+def nproc_lines(rows: list[dict]) -> list[str]:
+    """Per size and rank count: each rank's peak RSS and the step's times; then, between sizes, each rank's marginal
+    bytes per parameter against the single rank's / N (fixed overheads cancel; activations are not sharded)."""
+    lines = []
+    for r in rows:
+        ranks = "  ".join(f"rank{i}={mb:.0f} MB" for i, mb in enumerate(r["rank_peak_rss_mb"]))
+        lines.append(
+            f"{r['params'] / 1e6:.1f}M nproc={r['nproc']}: {ranks}  step s={r['learn_s']:.2f} (fwd {r['forward_s']:.2f}"
+            f" bwd {r['backward_s']:.2f})  verify s={r['verify_s']:.2f}  publish bg s={r['publish_bg_s']:.2f}"
+        )
+    by = {(r["mparams"], r["nproc"]): r for r in rows}
+    sizes = sorted({r["mparams"] for r in rows})
+    for a, b in itertools.pairwise(sizes):
+        one_a, one_b = by.get((a, 1)), by.get((b, 1))
+        if one_a is None or one_b is None:
+            continue
+        dp = one_b["params"] - one_a["params"]
+        single = (one_b["rank_peak_rss_mb"][0] - one_a["rank_peak_rss_mb"][0]) * (1 << 20) / dp
+        act = (one_b["activation_mb"] - one_a["activation_mb"]) * (1 << 20) / dp
+        lines.append(f"marginal {a}M -> {b}M, 1 rank: {single:.1f} bytes per parameter (activations {act:.2f})")
+        for n in sorted({r["nproc"] for r in rows} - {1}):
+            ra, rb = by.get((a, n)), by.get((b, n))
+            if ra is None or rb is None:
+                continue
+            target = (single - act) / n + act
+            for i, (ma, mb) in enumerate(zip(ra["rank_peak_rss_mb"], rb["rank_peak_rss_mb"], strict=False)):
+                m = (mb - ma) * (1 << 20) / dp
+                lines.append(
+                    f"  nproc={n} rank{i}: {m:.1f} bytes per parameter; target {target:.1f} (1 rank's / {n} plus"
+                    f" activations): {m / target:.2f}x"
+                )
+            lines.append(
+                f"  nproc={n} step time {rb['learn_s']:.2f} s vs 1 rank {one_b['learn_s']:.2f} s at {b}M:"
+                f" {one_b['learn_s'] / rb['learn_s']:.2f}x"
+            )
+    return lines
+
+
+def main_nproc(args: argparse.Namespace) -> None:
+    """Runs accumulate in bench/results/scale_nproc.json by (size, ranks): a run of 300M alone is reported beside
+    the 3M and 30M runs measured before (the marginal bytes per parameter need two sizes)."""
+    kept = RESULTS / "scale_nproc.json"
+    rows = json.loads(kept.read_text()) if kept.exists() else []
+    for m in args.sizes:
+        for n in args.nproc:
+            with TemporaryDirectory() as tmp:
+                row = run_size(Path(tmp), m, args.steps, args.dtype, args.publish_dtype, n)
+            row = {k: v for k, v in row.items() if k != "rss_trace"}
+            console.print(json.dumps(row))
+            rows = [r for r in rows if (r["mparams"], r["nproc"]) != (m, n)] + [row]
+            RESULTS.mkdir(exist_ok=True)
+            kept.write_text(json.dumps(rows, indent=1))
+    rows.sort(key=lambda r: (r["mparams"], r["nproc"]))
+    lines = nproc_lines(rows)
+    for line in lines:
+        console.print(line)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "scale_nproc.txt").write_text(
+        f"bench/scale --nproc {' '.join(map(str, args.nproc))} ({time.strftime('%Y-%m-%d')}, this 2-core CPU box,"
+        f" gloo, dtype {args.dtype}, publish dtype {args.publish_dtype}; peak RSS per rank, rank 0 is the node)\n"
+        + "\n".join(lines)
+        + "\n"
+    )
+    plot_nproc(rows, RESULTS / "scale_nproc.png")
+    console.print(f"wrote {RESULTS / 'scale_nproc.txt'} and {RESULTS / 'scale_nproc.png'}")
+
+
+def plot_nproc(rows: list[dict], png: Path) -> None:
+    """Peak RSS per rank and step time, by size, one bar per rank and rank count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted({r["mparams"] for r in rows})
+    bars = sorted({(r["nproc"], i) for r in rows for i in range(len(r["rank_peak_rss_mb"]))})
+    by = {(r["mparams"], r["nproc"]): r for r in rows}
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    width = 0.8 / max(len(bars), 1)
+    for k, (n, i) in enumerate(bars):
+        xs = [j + k * width for j, m in enumerate(sizes) if (m, n) in by]
+        ys = [by[(m, n)]["rank_peak_rss_mb"][i] for m in sizes if (m, n) in by]
+        axes[0].bar(xs, ys, width, label=f"nproc {n}, rank {i}")
+    axes[0].set(
+        xticks=[j + 0.4 - width / 2 for j in range(len(sizes))], ylabel="peak RSS (MB)", title="memory per rank"
+    )
+    axes[0].set_xticklabels([f"{by[(m, 1)]['params'] / 1e6:.0f}M" if (m, 1) in by else f"{m}M" for m in sizes])
+    for n in sorted({r["nproc"] for r in rows}):
+        pts = [(by[(m, n)]["params"] / 1e6, by[(m, n)]["learn_s"]) for m in sizes if (m, n) in by]
+        axes[1].plot(*zip(*pts, strict=True), "o-", label=f"nproc {n}")
+    axes[1].set(xscale="log", xlabel="parameters (M)", ylabel="seconds per step", title="step time")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("bench/scale --nproc: the learner sharded over ranks (FSDP2, gloo, 2-core CPU box)")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

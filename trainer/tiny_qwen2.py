@@ -38,14 +38,24 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
 
 
-def tiny_config(layers: int = 2, hidden: int = 128) -> Qwen2Config:
+def tiny_config(
+    layers: int = 2,
+    hidden: int = 128,
+    vocab_size: int | None = None,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int | None = None,
+) -> Qwen2Config:
+    """The embedded shape by default; any Qwen2 shape otherwise (``vocab_size`` above the tokenizer's leaves the
+    extra rows as ids it never produces: Qwen2.5-0.5B's shape is layers 24, hidden 896, vocab 151936, heads 14,
+    kv_heads 2, intermediate 4864)."""
     return Qwen2Config(
-        vocab_size=len(vocab()),
+        vocab_size=vocab_size or len(vocab()),
         hidden_size=hidden,
-        intermediate_size=3 * hidden,
+        intermediate_size=intermediate or 3 * hidden,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=128,
         tie_word_embeddings=True,
         rope_theta=ROPE_THETA,
@@ -55,12 +65,13 @@ def tiny_config(layers: int = 2, hidden: int = 128) -> Qwen2Config:
     )
 
 
-def build_random_model(out_dir: Path, seed: int = 0, layers: int = 2, hidden: int = 128) -> Path:
-    """Write a randomly initialised tiny Qwen2 + tokenizer to ``out_dir``; the same seed gives the same bytes."""
+def build_random_model(out_dir: Path, seed: int = 0, layers: int = 2, hidden: int = 128, **shape: int) -> Path:
+    """Write a randomly initialised tiny Qwen2 + tokenizer to ``out_dir``; the same seed gives the same bytes.
+    ``shape``: tiny_config's other arguments."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(tiny_config(layers, hidden)).to(torch.float32)
+    model = Qwen2ForCausalLM(tiny_config(layers, hidden, **shape)).to(torch.float32)
     model.save_pretrained(out_dir)
     build_tokenizer().save_pretrained(out_dir)
     flatten_rope_theta(out_dir)
