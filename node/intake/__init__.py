@@ -26,7 +26,7 @@ from node.intake.journal import RolloutJournal
 from node.intake.leases import LeaseBook
 from node.intake.ledger import Ledger
 from node.intake.verify import Forged, Rejected, RolloutVerifier, ScoreFn
-from node.ratelimit import PeerRateLimiter, ip_key, shares, take_all
+from node.ratelimit import PeerRateLimiter, RateLimited, ip_key, shares, take_all
 from node.rpc import Busy
 from node.settings import TrainerSettings
 from node.strikes import Strikes
@@ -151,18 +151,31 @@ class RolloutIntake:
         return accepted_groups < self.settings.trusted_after
 
     def admit_rollouts(self, peer: str, ip: str | None = None) -> None:
-        """When a rollout stream opens, before anything is read or decoded: a flood costs only this. Peers without
-        a record of accepted groups also share one newcomer budget: each verification costs a forward pass, and
-        fresh identities are free, so their total is what is bounded, not each one's. One identity, and one IP,
-        may take only a share of it, so neither a greedy newcomer nor identities rotated through from one place
-        can drain it: a new honest sampler elsewhere still gets its first groups checked."""
+        """When a rollout frame's header has arrived, before its body is read or decoded: a flood costs only this.
+        Peers without a record of accepted groups also share one newcomer budget: each verification costs a
+        forward pass, and fresh identities are free, so their total is what is bounded, not each one's. One
+        identity, and one IP, may take only a share of it (drawn here), so neither a greedy newcomer nor
+        identities rotated through from one place can drain it: a new honest sampler elsewhere still gets its
+        first groups checked. The shared budget itself is only looked at here (a newcomer is refused when it is
+        out) and drawn once a group's body has arrived (``charge_newcomer``, from ``submit``): drawn here, 40
+        identities at 40 addresses sending only frame headers drained it for everyone."""
         if self.strikes.is_banned(peer):
             raise Banned("this peer is banned for forged rollouts")
         draws = [(self.rollout_limit, peer)]
         if self.is_newcomer(peer):
-            draws += [(self.newcomer_limit, NEWCOMERS), (self.newcomer_peer_limit, peer)]
+            wait = self.newcomer_limit.wait(NEWCOMERS)
+            if wait > 0:  # out for now: refused before anything else is spent
+                self.newcomer_limit.refused[NEWCOMERS] = self.newcomer_limit.refused.get(NEWCOMERS, 0) + 1
+                raise RateLimited(wait)
+            draws += [(self.newcomer_peer_limit, peer)]
             draws += per_ip(self.newcomer_ip_limit, ip)
         take_all(draws)
+
+    def charge_newcomer(self, peer: str) -> None:
+        """A newcomer's group has arrived whole: it draws on the shared newcomer budget, or is refused
+        (RateLimited) before it is checked. Peers with a record draw nothing."""
+        if self.is_newcomer(peer):
+            self.newcomer_limit.take(NEWCOMERS)
 
     def lease(self, req: WorkRequest, peer: str, version: int) -> WorkLease:
         """Prompts for ``peer`` (admitted by ``admit_work`` when its stream opened), unless it leaves far more of
@@ -180,7 +193,8 @@ class RolloutIntake:
         Submissions for one (peer, lease, seed) are checked one at a time: a resend, or a copy with fresh rollout
         ids, waits for the first one's verdict and then meets a closed seed or known ids, so one seed can never be
         accepted twice however many copies race in. The peer was admitted (ban, rate limit) by ``admit_rollouts``
-        when its stream opened."""
+        when its frame's header arrived; a newcomer's group draws on the newcomers' shared budget here, or is
+        refused (RateLimited) unchecked."""
         g = RolloutGroup.from_wire(message)
         ids = [s.rollout_id for s in g.samples]
         if self.strikes.is_banned(peer):
@@ -190,6 +204,7 @@ class RolloutIntake:
             await first.wait()
         if all(self.buffer.is_duplicate(i) for i in ids):
             return RolloutAck(duplicate=ids)
+        self.charge_newcomer(peer)  # a newcomer's group is checked only within the newcomers' shared budget
         self._checking[key] = done = trio.Event()
         try:
             return await self._admit(g, ids, peer, version)
