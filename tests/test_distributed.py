@@ -7,12 +7,15 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from tests.helpers import wait_for
 from trainer.checkpoint import save_checkpoint
-from trainer.distributed import Leader, RankFailed, leave, spawn
+from trainer.distributed import Leader, RankFailed, leave, process_alive, spawn
 from trainer.groups import Group
 from trainer.leader import LeaderLearner
 from trainer.learner import Learner
@@ -73,6 +76,14 @@ def test_rows_are_dealt_so_every_rank_runs_as_many_micro_batches():
     assert lone == [[[0]], [[]], [[]]]
     assert [dim0_slice(55, r, 2) for r in range(2)] == [(0, 28), (28, 55)]
     assert [dim0_slice(3, r, 4) for r in range(4)] == [(0, 1), (1, 2), (2, 3), (3, 3)]
+
+
+def test_a_process_that_exited_is_not_alive_even_before_it_is_reaped():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    wait_for(lambda: not process_alive(child.pid), 30, "the child's exit (a zombie until reaped)", interval=0.05)
+    assert process_alive(os.getpid())
+    child.wait()
+    assert not process_alive(child.pid)
 
 
 def test_two_ranks_train_score_and_publish_like_one(tmp_path, tiny_model_dir, ranks):
