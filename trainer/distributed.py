@@ -189,6 +189,7 @@ class Leader:
         self.lock = threading.Lock()
         self.last = time.monotonic()  # when the last command was sent
         self.stopped = False
+        self.failed: RankFailed | None = None  # why the ranks stopped, when a command failed
 
     def call(self, name: str, args: tuple, run: Callable[[], Any]) -> Any:
         """Broadcast (name, args) to every worker, then ``run()`` rank 0's part; a failure names the dead rank."""
@@ -199,16 +200,17 @@ class Leader:
                 dist.broadcast_object_list([(name, args)], src=0, group=self.ranks.control)
                 self.last = time.monotonic()
                 return run()
-            except RankFailed:
-                self.stopped = True
+            except RankFailed as exc:
+                self.stopped, self.failed = True, self.failed or exc
                 raise
             except Exception as exc:  # the workers went on into collectives rank 0 will never join: all stop
                 self.stopped = True
                 if self.ranks.dead() or _is_comm_error(exc):
-                    raise self.ranks.failure(exc) from exc
-                raise RankFailed(
-                    f"rank 0 failed in {name!r} ({type(exc).__name__}: {exc}); the sharded trainer stops"
-                ) from exc
+                    self.failed = self.ranks.failure(exc)
+                else:
+                    why = f"{type(exc).__name__}: {exc}"
+                    self.failed = RankFailed(f"rank 0 failed in {name!r} ({why}); the sharded trainer stops")
+                raise self.failed from exc
 
     def ping(self) -> None:
         """A no-op command: it keeps idle workers' waits short of the collective timeout, and finds dead ranks."""

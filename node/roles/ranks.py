@@ -55,8 +55,9 @@ async def watch_ranks(learner: Learner | LeaderLearner) -> None:
     try:
         while True:
             await trio.sleep(1.0)
-            dead = learner.ranks.dead()
-            if dead:
+            if learner.leader.failed is not None:  # a command failed (in a handler's thread, say): stop the node
+                raise learner.leader.failed
+            if learner.ranks.dead():
                 raise learner.ranks.failure(None, grace=0.0)
             if time.monotonic() - learner.leader.last > PING_EVERY:
                 await trio.to_thread.run_sync(learner.ping)
