@@ -10,6 +10,10 @@ honest peer out for as long as they lived. The manager keeps the door open:
 - **idle pruning**: a newcomer that finds every slot taken closes the inbound connection idle the longest (no
   stream open first, then one whose streams have not changed for ``busy_idle`` seconds), never one younger than
   ``grace`` seconds, never a protected peer's, never an outbound one (we dialled it: we want it);
+- **a pruned address cools down**: an address whose connection was closed to make room may not connect again for
+  ``cooldown`` seconds (refused before its handshake): an attacker with more addresses than there are slots
+  otherwise churned them, ~5 new connections a second each closing another (bench/hostile ``idle``), and now
+  needs ``cooldown`` x that rate more addresses to keep it up;
 - **reserved slots**: unprotected peers may hold at most ``max_inbound - reserved`` inbound connections; the
   bootstrap peers and the trainer (``protect``) and the peers a role values (``set_valued``: the trainer feeds
   "has an accepted record") may use them all;
@@ -52,6 +56,7 @@ log = logging.getLogger(__name__)
 ROOM_WAIT = 2.0  # seconds a newcomer waits for the slot of the connection closed for it
 CLOSE_WAIT = 3.0  # seconds one close may take before we stop waiting for it
 KEEPALIVE_CHECK = 5.0  # seconds between looks at every connection's pong
+MAX_COOLING = 65_536  # pruned addresses remembered for their cooldown
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,7 @@ class ConnLimits:
     per_wide_subnet: int = 64  # one IPv4 /16 / IPv6 /32
     exempt: tuple[str, ...] = ("127.0.0.0/8", "::1/128")  # networks with no address caps
     grace: float = 10.0  # seconds a new connection is never pruned (time to open its first streams)
+    cooldown: float = 60.0  # seconds an address whose connection was pruned may not connect again
     busy_idle: float = 60.0  # seconds without a stream opening or closing before one with streams may go
     keepalive_timeout: float = 45.0  # seconds since the last unanswered ping (sent every 30 s) before it is dead
     max_unnegotiated: int = 32  # inbound streams of one connection waiting for protocol negotiation at once
@@ -109,6 +115,19 @@ def address_groups(ip: str | None, limits: ConnLimits) -> tuple[tuple[str, int],
         for p, cap in zip(prefixes, caps, strict=True)
         if cap > 0
     )
+
+
+def address_key(ip: str | None, limits: ConnLimits) -> str | None:
+    """What a cooldown is keyed on: the IPv4 address or IPv6 /64 (None: unknown or exempt)."""
+    if ip is None:
+        return None
+    groups = address_groups(ip, ConnLimits(per_ip=1, per_subnet=0, per_wide_subnet=0, exempt=limits.exempt))
+    return groups[0][0] if groups else None
+
+
+def cooling(key: str | None, pruned_at: Mapping[str, float], now: float, cooldown: float) -> bool:
+    """Whether an address (``address_key``) had a connection pruned less than ``cooldown`` seconds ago."""
+    return key is not None and now - pruned_at.get(key, -1e18) < cooldown
 
 
 def refuse_address(groups: Iterable[tuple[str, int]], held: Mapping[str, int]) -> str | None:
@@ -203,6 +222,7 @@ class ConnManager(INotifee):
         self._held: dict[str, int] = {}  # address group -> inbound connections held or in their handshake
         self._seen: dict[int, list[float]] = {}  # id(connection) -> [opened, last_active]
         self._closing: set[int] = set()
+        self._pruned_at: dict[str, float] = {}  # address (first group) -> when a connection of it was pruned
         self.counts: Counter[str] = Counter()
         self._nursery: trio.Nursery | None = None  # while running(): closes started from synchronous callbacks
 
@@ -238,6 +258,9 @@ class ConnManager(INotifee):
     # -- the inbound hook (node/libp2p/conns.py calls these before and after taking a slot)
 
     def reserve(self, ip: str | None) -> bool:
+        if cooling(address_key(ip, self.limits), self._pruned_at, trio.current_time(), self.limits.cooldown):
+            self.counts["refused_cooling"] += 1
+            return False
         groups = address_groups(ip, self.limits)
         why = refuse_address(groups, self._held)
         if why is not None:
@@ -364,10 +387,25 @@ class ConnManager(INotifee):
         try:
             for conn in victims:
                 self.counts["pruned"] += 1
+                self._cool(mech.remote_ip(conn.muxed_conn))
                 log.debug("closing the idle inbound connection of %s %s", conn.muxed_conn.peer_id, why)
                 await _close(conn)
         finally:
             self._closing.difference_update(id(c) for c in victims)
+
+    def _cool(self, ip: str | None) -> None:
+        """Remember when an address had a connection pruned (bounded: expired entries go, then the oldest)."""
+        key = address_key(ip, self.limits)
+        if key is None:
+            return
+        now = trio.current_time()
+        if len(self._pruned_at) >= MAX_COOLING:
+            for net in [n for n, t in self._pruned_at.items() if now - t >= self.limits.cooldown]:
+                del self._pruned_at[net]
+            while len(self._pruned_at) >= MAX_COOLING:
+                del self._pruned_at[next(iter(self._pruned_at))]
+        self._pruned_at.pop(key, None)
+        self._pruned_at[key] = now
 
     def _refused_stream(self, conn: INetConn | None, peer: ID, verdict: str) -> None:
         """A stream over a cap: it is reset; over its connection's cap ("close"), its connection is closed too (no
