@@ -161,7 +161,12 @@ async def test_a_small_version_is_pushed_relayed_and_never_requested(tmp_path, t
 
         async def send(version: int) -> w.Manifest:
             manifest = await origin.outbox.send(version)
-            await wait_until(lambda: all(s.current == version for s in syncs), 30, what=f"version {version}")
+            await wait_until(
+                lambda: all(s.current == version for s in syncs),
+                30,
+                what=f"version {version}",
+                state=lambda: [(s.status(), s.last_plan, s.download and s.download.missing) for s in syncs],
+            )
             return manifest
 
         m0 = await send(0)  # whole: its chunks are pushed too (a small version)
@@ -225,7 +230,7 @@ async def test_a_hostile_relayer_is_struck_and_a_stranger_refused(tmp_path, tiny
 
         for version in (0, 1):  # the hostile peer relays nothing: the victim fetches its share after the wait
             await origin.outbox.send(version)
-            await wait_until(lambda v=version: sync.current == v, 30, what=f"version {version}")
+            await wait_until(lambda v=version: sync.current == v, 30, what=f"version {version}", state=sync.status)
         given.clear()
         m2 = await origin.outbox.send(2)
         mid = origin.store.latest()[0]
@@ -242,7 +247,7 @@ async def test_a_hostile_relayer_is_struck_and_a_stranger_refused(tmp_path, tiny
         assert await one(evil, w.push(mid, [(bad, bytes(x ^ 1 for x in given[bad]))])) == 0
         assert sync.strikes.counts.get(str(evil.peer_id), 0) == 1
         # the version still arrives, bit-exact: what the hostile peer withheld was fetched from the origin
-        await wait_until(lambda: sync.current == 2, 30, what="version 2")
+        await wait_until(lambda: sync.current == 2, 30, what="version 2", state=sync.status)
         rebuilt = (sync.store.versions_dir / "v2" / "model.safetensors").read_bytes()
         assert rebuilt == (origin.publisher.links / "v2.safetensors").read_bytes()
         nursery.cancel_scope.cancel()

@@ -331,20 +331,21 @@ class WeightSync:
             if not ok or not policy.push_source_ok(sender, origin, state.first.get(i)):
                 self.refused_pushed += 1
                 continue
-            if self.store.has(h):
-                continue
-            try:
-                await trio.to_thread.run_sync(self.store.write, h, data)  # checks blake3 before storing
-            except BadChunk:
-                self.strikes.strike(remote)
-                log.warning("peer %s pushed a corrupt chunk %s", remote, h.hex()[:12])
-                continue
-            took += 1
-            self.pushed_chunks += 1
-            self._expecting.pop(h, None)
-            if self.download is not None:
-                for d in self.download.downloads:
-                    d.arrived(h, len(data), remote)
+            if not self.store.has(h):
+                try:
+                    await trio.to_thread.run_sync(self.store.write, h, data)  # checks blake3 before storing
+                except BadChunk:
+                    self.strikes.strike(remote)
+                    log.warning("peer %s pushed a corrupt chunk %s", remote, h.hex()[:12])
+                    continue
+                took += 1
+                self.pushed_chunks += 1
+                self._expecting.pop(h, None)
+                if self.download is not None:
+                    for d in self.download.downloads:
+                        d.arrived(h, len(data), remote)
+            # relayed even if held already (it came here first by another way): the others wait for it, and the
+            # lanes close once this node's whole share went out
             if sender == origin and state.first.get(i) == self.swarm.peer_id.to_bytes():
                 self._relay(state, h, data)
         return w.pushed_reply(took)
