@@ -519,6 +519,16 @@ def codec_lines(runs: list[LrRun]) -> list[str]:
                 f"{100 * val[c] / full:.3f}%)"
                 for c in names
             )
+            # the dictionary needs a previous version's streams to train on: over the versions that have one
+            later = [r for r in run.rows if "zstd-3 + dictionary" in r.codecs.get(kind, {})]
+            if later:
+                dic = sum(sum(r.codecs[kind]["zstd-3 + dictionary"]) for r in later)
+                plain = sum(sum(r.codecs[kind]["zstd-3"]) for r in later)
+                zl = sum(sum(r.codecs[kind]["zlib-6 (product)"]) for r in later)
+                cells += (
+                    f"; zstd-3 + dictionary (versions {later[0].version}-{later[-1].version}, its 2 x 16 KiB "
+                    f"counted each version) {dic / plain:.3f}x zstd-3, {dic / zl:.3f}x zlib-6"
+                )
             lines.append(
                 f"    lr {run.lr:g} {kind} patches, % of full bf16 (versions {run.rows[0].version}-"
                 f"{run.rows[-1].version}): {cells}. Best index stream: {best_i}; best value stream: {best_v}"
@@ -696,7 +706,7 @@ def main() -> int:
             from trainer.realistic_model import cached_realistic_model
 
             realistic = cached_realistic_model(cache_dir=Path(__file__).resolve().parents[1] / "runs" / ".fixtures")
-            at = tuple(v for v in (10, 50, args.fidelity_versions) if v <= args.fidelity_versions)
+            at = tuple(v for v in (0, 10, 50, args.fidelity_versions) if v <= args.fidelity_versions)
             for lr in args.lrs:
                 progress.console.print(f"int8-grid fidelity: lr {lr:g}, {args.fidelity_versions} versions")
                 fid += fidelity(realistic, lr, args.fidelity_versions, tuple(sorted(set(at))))

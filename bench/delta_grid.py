@@ -112,22 +112,25 @@ def fidelity(
     total_groups = sum(v[1].size for v in with_rule.values())
     last_bf16 = {n: _bf16(p) for n, p in params.items()}
     out: list[Fidelity] = []
-    for v in range(1, versions + 1):
-        ids, attn, labels = padded_batch([_example(rng, tok, cfg) for _ in range(batch)], tok.pad_token_id)
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        prev_codes = {n: c[0] for n, c in with_rule.items()}
-        with_rule, no_rule = grids(GridRule(), with_rule), grids(NO_RULE, no_rule)
-        regridded += sum(int(c[3].sum()) for c in with_rule.values())
+    for v in range(versions + 1):
+        bf16_changed = codes_changed = 0.0
+        if v:  # version 0 is the anchor: the fixture itself, on fresh grids
+            ids, attn, labels = padded_batch([_example(rng, tok, cfg) for _ in range(batch)], tok.pad_token_id)
+            loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            prev_codes = {n: c[0] for n, c in with_rule.items()}
+            with_rule, no_rule = grids(GridRule(), with_rule), grids(NO_RULE, no_rule)
+            regridded += sum(int(c[3].sum()) for c in with_rule.values())
         now_bf16 = {n: _bf16(p) for n, p in params.items()}
-        bf16_changed = sum(int(np.count_nonzero(now_bf16[n] != last_bf16[n])) for n in params) / sum(
-            p.numel() for p in params.values()
-        )
-        codes_changed = sum(int(np.count_nonzero(with_rule[n][0] != prev_codes[n])) for n in names) / sum(
-            params[n].numel() for n in names
-        )
+        if v:
+            bf16_changed = sum(int(np.count_nonzero(now_bf16[n] != last_bf16[n])) for n in params) / sum(
+                p.numel() for p in params.values()
+            )
+            codes_changed = sum(int(np.count_nonzero(with_rule[n][0] != prev_codes[n])) for n in names) / sum(
+                params[n].numel() for n in names
+            )
         last_bf16 = now_bf16
         if v not in at:
             continue
