@@ -27,6 +27,9 @@ honest peer out for as long as they lived. The manager keeps the door open:
   ``max_unnegotiated_total`` of them (many identities at many addresses, each under its own cap, held ~7,000):
   past that a connection gets a fair share of them, and a stream over its share is reset (its connection kept:
   an honest peer can get there).
+- **oversized frames**: a peer that announces a frame over its message type's limit (node/rpc.py refuses it before
+  any body byte) is hung up on and its address cools down as a pruned one does, unless it is protected: no honest
+  peer does it (both sides size frames by protocols/), and refusing each such stream cost a negotiation and a reply.
 
 The rules are pure functions over plain data (``Conn``, address counts), tested alone (tests/test_connmgr.py);
 ``ConnManager`` feeds them from the live host and acts through node/libp2p/conns.py. Every limit is keyed on the
@@ -48,6 +51,7 @@ from libp2p.abc import IHost, INetConn, INetStream, INetwork, INotifee
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
+from node import rpc
 from node.config import SwarmSettings
 from node.libp2p import conns as mech
 
@@ -234,6 +238,7 @@ class ConnManager(INotifee):
             self._refused_stream,
         )
         self._network.register_notifee(self)
+        rpc.on_oversized_frame(self._network, self._oversized)
 
     # -- who is protected
 
@@ -422,6 +427,24 @@ class ConnManager(INotifee):
         self.counts["closed_for_streams"] += 1
         log.info("closing %s: more than %d streams at once without negotiating a protocol",
                  peer, self.limits.max_unnegotiated)  # fmt: skip
+        self._closing.add(id(conn))
+        self._nursery.start_soon(self._close_flooder, conn)
+
+    def _oversized(self, stream: INetStream) -> None:
+        """A peer announced an oversized frame (node/rpc.py): hang up on it and cool its address, unless protected."""
+        conn = getattr(stream, "swarm_conn", None)
+        if conn is None:
+            return
+        peer = conn.muxed_conn.peer_id
+        if self.is_protected(peer):
+            self.counts["oversized_frames_kept"] += 1
+            return
+        self.counts["hung_up_oversized"] += 1
+        self._cool(mech.remote_ip(conn.muxed_conn))
+        if id(conn) in self._closing or self._nursery is None:
+            return
+        log.log(logging.INFO if self.counts["hung_up_oversized"] == 1 else logging.DEBUG,
+                "closing %s: it announced a frame over its protocol's limit", peer)  # fmt: skip
         self._closing.add(id(conn))
         self._nursery.start_soon(self._close_flooder, conn)
 

@@ -8,10 +8,12 @@ before any work is done for it, in this order:
 1. ``admit(peer)`` runs when the stream opens, before a byte is read (rate limits, bans): a flood costs a lookup;
    ``peer`` is a ``Remote``: the authenticated peer id, with the IP its connection comes from;
 2. at most ``streams_per_peer`` streams of one protocol from one peer are served at once (the rest: "busy");
-3. the frame's announced length must fit the message type's limit, and the ``FrameBudget`` must have room for it
-   now; its body's bytes are then reserved as they arrive (never on the announced length: a header costs
-   nothing to send, so 40 identities announcing 1 MiB frames and sending nothing once held a process-wide
-   256 MiB), within caps per peer, per protocol and in all: a frame over any of them is refused ("busy");
+3. the frame's announced length must fit the message type's limit (a peer that announces more is told so and hung
+   up on: both sides size frames by protocols/, so no honest peer does; ``on_oversized_frame``), and the
+   ``FrameBudget`` must have room for it now; its body's bytes are then reserved as they arrive (never on the
+   announced length: a header costs nothing to send, so 40 identities announcing 1 MiB frames and sending nothing
+   once held a process-wide 256 MiB), within caps per peer, per protocol and in all: a frame over any of them is
+   refused ("busy");
 4. the body must arrive at ``min_rate`` bytes/s or better (plus a grace period): a slow-loris stream is cut;
 5. a body of more than ``OFFLOAD_BYTES`` is decoded in a worker thread (the event loop keeps serving), with a cap
    on maps and arrays per message (protocols/framing.py).
@@ -24,6 +26,7 @@ a multistream negotiation through Noise, which in a swarm of polls and small chu
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -36,7 +39,8 @@ from libp2p.network.stream.exceptions import StreamClosed, StreamEOF, StreamRese
 from libp2p.peer.id import ID
 from libp2p.stream_muxer.exceptions import MuxedConnUnavailable, MuxedStreamError
 
-from protocols.errors import PeerClosed, ProtocolError, RemoteError
+from node.libp2p.conns import network_of
+from protocols.errors import FrameTooLarge, PeerClosed, ProtocolError, RemoteError
 from protocols.framing import MAX_CONTAINERS, FrameReader, unpack, write_message
 from protocols.messages import error_reply, raise_if_error
 
@@ -54,6 +58,28 @@ IDLE_TIMEOUT = 30.0  # a served stream with no new request for this long is clos
 Handler = Callable[[dict[str, Any], ID], Awaitable[dict[str, Any]]]
 # told after each reply whether it was written out whole (True) or not (False: the stream failed or timed out)
 ReplySent = Callable[[dict[str, Any], bool], None]
+
+
+# per network (hosts in one process each have their own): who is told of a stream whose peer announced a frame over
+# its message type's limit (the connection manager: it hangs up on the peer and cools its address). Refused without
+# it, each such stream still cost a protocol negotiation and an error reply: 40 identities reopening ~64 a second took
+# ~0.2 of the trainer's cores (bench/hostile ``headers``)
+_OVERSIZED: weakref.WeakKeyDictionary[Any, Callable[[INetStream], None]] = weakref.WeakKeyDictionary()
+
+
+def on_oversized_frame(network: Any, handler: Callable[[INetStream], None]) -> None:
+    """Tell ``handler(stream)`` of every served stream on ``network`` whose peer announced an oversized frame."""
+    _OVERSIZED[network] = handler
+
+
+def _oversized(stream: INetStream) -> None:
+    network = network_of(stream)
+    handler = _OVERSIZED.get(network) if network is not None else None
+    if handler is not None:
+        try:
+            handler(stream)
+        except Exception as exc:  # the refusal stands either way
+            log.debug("oversized-frame handler failed: %s", exc)
 
 
 def backpressure(exc: BaseException) -> float | None:
@@ -226,6 +252,8 @@ def serve(
                             return
                         except ProtocolError as exc:
                             await _refuse(stream, name, remote, exc, max_reply)
+                            if isinstance(exc, FrameTooLarge):
+                                _oversized(stream)
                             return
                     if idle.cancelled_caught:
                         await stream.close()

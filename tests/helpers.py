@@ -372,3 +372,13 @@ def group_for(intake: RolloutIntake, peer: str, spec, lease, answers: list[str],
         samples,
         RULE,
     ).to_wire()
+
+
+async def rejoin(client, server) -> None:
+    """Connect ``client`` (a Swarm) to ``server`` (a Swarm) again once the server has hung up on it: a peer that
+    announces a frame over its protocol's limit loses its connection (node/connmgr.py, oversized frames)."""
+    from libp2p.peer.peerinfo import info_from_p2p_addr
+
+    peer = server.peer_id
+    await wait_until(lambda: not client.host.get_network().get_connections(peer), 10, what="the server to hang up")
+    await client.connect(info_from_p2p_addr(server.addrs()[0]))

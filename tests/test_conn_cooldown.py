@@ -65,3 +65,42 @@ async def test_a_pruned_address_is_refused_until_it_has_cooled_down():
         assert server.conns.counts["refused_cooling"] >= 1  # (a dial may be retried)
         await trio.sleep(limits.grace)
         assert await connect_from(stack, where, "127.0.0.3")  # another address still gets in
+
+
+async def test_a_peer_announcing_an_oversized_frame_is_hung_up_on_and_its_address_cools():
+    """bench/hostile ``headers``: 40 identities announcing 1 MiB work frames (limit 4 KiB) reopened ~64 streams a
+    second, each refused, each costing the trainer a protocol negotiation and an error reply (honest throughput
+    0.32-0.78 of clean). Now the first one costs the peer its connection, and its address a cooldown."""
+    from node.rpc import serve
+    from protocols.framing import HEADER, FrameReader, unpack
+
+    limits = ConnLimits(exempt=(), cooldown=60.0)
+    async with open_swarm(create_new_key_pair(), LISTEN, conns=limits) as server, AsyncExitStack() as stack:
+
+        async def echo(message, peer):
+            return {"v": 1, "t": "ok"}
+
+        server.host.set_stream_handler("/test/echo/1", serve("echo", echo, max_request=4096, max_reply=4096))
+        where = PeerInfo(server.peer_id, [a for a in server.host.get_addrs() if "127.0.0.1" in str(a)])
+        attacker = build_host(create_new_key_pair())
+        for transport in attacker.get_network().transport_manager.get_transports():
+            dial_with_source = getattr(transport, "dial_with_source", None)
+            if dial_with_source is not None:
+
+                async def dial(maddr, _dial=dial_with_source):
+                    return await _dial(maddr, ("127.0.0.2", 0))
+
+                transport.dial = dial
+        await stack.enter_async_context(attacker.run([]))
+        with trio.fail_after(10 * slowdown()):
+            await attacker.connect(where)
+            stream = await attacker.new_stream(server.peer_id, ["/test/echo/1"])
+            await stream.write(HEADER.pack(1 << 20))  # a 1 MiB frame announced, and nothing sent
+            reply = unpack(await FrameReader(stream).read_body(4096), 4096)
+        assert reply["t"] == "error", reply  # told why, as before
+        await wait_until(
+            lambda: not attacker.get_network().get_connections(server.peer_id), 10, what="the server to hang up"
+        )
+        assert server.conns.counts["hung_up_oversized"] == 1
+        assert not await connect_from(stack, where, "127.0.0.2")  # its address cools down
+        assert await connect_from(stack, where, "127.0.0.3")  # another address is served

@@ -15,7 +15,7 @@ from protocols import rollouts, work
 from protocols.errors import PeerClosed
 from protocols.framing import FrameReader
 from protocols.work import WorkRequest
-from tests.helpers import LOOPBACK, slowdown, start_bootstrap, start_sampler, start_trainer, wait_until
+from tests.helpers import LOOPBACK, rejoin, slowdown, start_bootstrap, start_sampler, start_trainer, wait_until
 
 # -- the frame budget (pure) -----------------------------------------------------------------------------------
 
@@ -128,11 +128,13 @@ async def test_a_work_frame_over_the_limit_is_refused_before_its_body_is_read(tm
             reply = unpack(await FrameReader(stream).read_body(1 << 16), 1 << 16)
         assert reply["code"] == "too_large" and "limit is 4096 B" in reply["message"]
         await stream.reset()
+        await rejoin(client, trainer.swarm)  # an oversized frame costs its peer the connection
         # a request padded past the limit is refused too, with the same clear error; an honest one is served
         padded = {**WorkRequest(1).to_wire(), "pad": "x" * 5000}
         with pytest.raises(RemoteError) as refused:
             await request(client.host, tid, work.PROTOCOL_ID, padded, max_request=1 << 20, max_reply=work.MAX_FRAME)
         assert refused.value.code == "too_large"
+        await rejoin(client, trainer.swarm)
         reply = await request(
             client.host,
             tid,

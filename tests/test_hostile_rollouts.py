@@ -22,7 +22,16 @@ from protocols.errors import RemoteError
 from protocols.framing import FrameReader, unpack
 from protocols.rollouts import RolloutAck, RolloutGroup, Sample
 from protocols.work import WorkLease, WorkRequest
-from tests.helpers import LOOPBACK, get_lease, slowdown, start_bootstrap, start_sampler, start_trainer, wait_until
+from tests.helpers import (
+    LOOPBACK,
+    get_lease,
+    rejoin,
+    slowdown,
+    start_bootstrap,
+    start_sampler,
+    start_trainer,
+    wait_until,
+)
 
 
 async def raw_exchange(client, trainer_id, payload: bytes, protocol: str = rollouts.PROTOCOL_ID) -> dict:
@@ -44,6 +53,7 @@ async def test_bad_frames_get_error_replies_and_trainer_survives(trainer_and_cli
     assert bad["t"] == "error" and bad["code"] == "malformed"
     huge = await raw_exchange(client, tid, struct.pack(">I", 100 << 20) + b"x" * 1000)
     assert huge["t"] == "error" and huge["code"] == "too_large"
+    await rejoin(client, trainer.swarm)  # an oversized frame costs its peer the connection
     wrong_version = await raw_exchange(client, tid, framed(msgpack.packb({"v": 99, "t": "rollouts"})))
     assert wrong_version["code"] == "version"
     not_a_map = await raw_exchange(client, tid, framed(msgpack.packb([1, 2, 3])))
@@ -65,6 +75,7 @@ async def test_weights_protocol_and_unknown_protocols_fail_clearly(trainer_and_c
     wp = weights_proto.PROTOCOL_ID
     assert (await raw_exchange(client, tid, framed(b"\x92\x01"), wp))["code"] == "malformed"
     assert (await raw_exchange(client, tid, struct.pack(">I", 1 << 30), wp))["code"] == "too_large"
+    await rejoin(client, trainer.swarm)  # an oversized frame costs its peer the connection
     odd = framed(msgpack.packb({"v": 1, "t": "get_chunks", "hashes": [b"short"]}))
     assert (await raw_exchange(client, tid, odd, wp))["code"] == "schema"
     unknown = framed(msgpack.packb({"v": 1, "t": "get_everything"}))
@@ -248,6 +259,7 @@ async def test_decode_bombs_are_refused_before_they_cost_anything(trainer_and_cl
     with trio.fail_after(10):  # refused on the length header: the body is never read, so send only its start
         reply = await raw_exchange(client, tid, framed(bomb)[: 64 << 10])
     assert reply["code"] == "too_large"
+    await rejoin(client, trainer.swarm)  # an oversized frame costs its peer the connection
     # a small bomb under the frame limit: far more containers than any honest group holds
     small = msgpack.packb({"v": 1, "t": "rollouts", "samples": [{} for _ in range(3000)]})
     reply = await raw_exchange(client, tid, framed(small))

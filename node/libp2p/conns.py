@@ -195,3 +195,8 @@ def remote_ip(obj: Any) -> str | None:
         return str(ipaddress.ip_address(ip)) if ip else None
     except Exception:
         return None
+
+
+def network_of(stream: Any) -> Any:
+    """The network (py-libp2p ``Swarm``) a stream belongs to, or None (a stream not opened by a swarm)."""
+    return getattr(getattr(stream, "swarm_conn", None), "swarm", None)
