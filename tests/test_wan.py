@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.netlab.scenario import Scenario, machine_busy_seconds
 from bench.netlab.swarm import WanSwarm, plot_timeline, wan_links
 from bench.netlab.topology import Lab, Link, lab_unavailable
 from node.identity import load_or_create_key, peer_id_of
@@ -127,53 +128,6 @@ ENGAGED = {
 }
 
 
-def machine_busy_seconds() -> float:
-    """CPU seconds the machine's cores have been busy so far, whoever used them (steal included: a hypervisor's
-    other guests), from /proc/stat."""
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (
-        int(x) for x in Path("/proc/stat").read_text().split()[1:9]
-    )
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-class Scenario:
-    """Drives a WanSwarm through timed steps, sampling every node's state all along."""
-
-    def __init__(self, swarm: WanSwarm, joins: dict[str, float]) -> None:
-        self.swarm = swarm
-        self.joins = dict(joins)  # sampler -> time (s after start) it joins
-        self.down: set[str] = set()
-
-    def pump(self, until, timeout: float, what: str) -> None:
-        """Run the scenario until ``until()`` holds (True, or an empty list of what is missing); ``timeout`` is in
-        idle-machine seconds (tests.helpers.wait_for). On a timeout the message names what is missing, and every
-        node's status goes to a file."""
-
-        def step():
-            now = time.time() - self.swarm.t0
-            for name, at in list(self.joins.items()):
-                if now >= at:
-                    self.swarm.start(name)
-                    del self.joins[name]
-            self.swarm.sample_timeline()
-            self.swarm.check_alive(*[n for n in self.swarm.procs if n not in self.down])
-            return until()
-
-        wait_for(step, timeout, what, interval=0.1, state=lambda: {n: self.swarm.status(n) for n in self.swarm.procs})
-
-    def versions(self, names) -> dict[str, int]:
-        return {n: self.version(n) for n in names}
-
-    def counters(self, names, key: str) -> dict[str, int]:
-        return {n: self.swarm.status(n).get(key, 0) for n in names}
-
-    def version(self, name: str) -> int:
-        return int(self.swarm.status(name).get("weights_version", -1))
-
-    def trainer(self) -> dict:
-        return self.swarm.status("trainer")
-
-
 @pytest.mark.slow
 def test_wan_faults_lose_nothing_and_every_sampler_converges(tmp_path, tiny_model_dir):
     rng = random.Random(6)
@@ -185,7 +139,7 @@ def test_wan_faults_lose_nothing_and_every_sampler_converges(tmp_path, tiny_mode
     swarm.write_config()
     honest = [f"s{i}" for i in range(n)]
     # s4 is the one killed mid-transfer: it joins last, alone, so its first download is easy to catch
-    sc = Scenario(swarm, {f"s{i}": rng.uniform(3, 25) for i in range(5, n)})
+    sc = Scenario(swarm, {f"s{i}": rng.uniform(3, 25) for i in range(5, n)}, wait=wait_for)  # test deadlines
     with lab:
         swarm.start("boot")
         sc.pump(lambda: bool(swarm.status("boot")), 60, "the bootstrap node's first status")
