@@ -461,6 +461,7 @@ async def test_versions_travel_as_patches_through_a_swarm(tmp_path, tiny_model_d
             m = trainer.role.store.latest()[2]
             assert m.patch is not None and not m.has_full and m.update_size < 0.5 * full
             assert trainer.role.weight_server.bytes_served - before < 0.5 * full
+        assert trainer.role.weight_server.bytes_pushed > 0  # the trainer pushes a small version's first copies
         # a hostile peer that forges every manifest it is asked for; a sampler asking it for a link refuses it
         evil_key = load_or_create_key(tmp_path / "evil.key")
         evil = await stack.enter_async_context(open_swarm(evil_key, LOOPBACK))

@@ -33,7 +33,7 @@ from node.runlog import RunLog, StepMeter
 from node.settings import Settings
 from node.weights.outbox import Outbox
 from node.weights.publish import Publisher
-from node.weights.server import WeightServer
+from node.weights.server import OriginPush, WeightServer
 from node.weights.store import ChunkStore
 from protocols.work import WorkRequest
 from trainer.memory import limit_malloc_arenas
@@ -94,6 +94,7 @@ class TrainerRole:
             self.config.swarm,
             keep=self.settings.max_staleness + 2,
             on_published=lambda version, _: self.view.trainer_version(version),
+            pusher=OriginPush(self.weight_server),  # a small version's first copies go out as it is announced
         )
         self.weight_server.register(swarm.host)
         swarm.conns.set_valued(self.intake.has_record)  # their connections are kept when slots run short
