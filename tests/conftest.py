@@ -9,22 +9,13 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# The README's test command runs one worker per core (`-n auto --dist loadgroup`). A module is a worker's unit (its
-# module-scoped fixtures are built once), and so are the tests of the realistic fixture (one worker builds it). The
-# network-namespace labs may run side by side: each names its namespaces with its own tag.
-# The longest tests' modules go first, so that the other worker runs the many short ones beside them instead of
-# waiting at the end (longest-first scheduling).
+# The README's test command runs one worker per core (`-n auto --dist loadfile`): a module is a worker's unit (its
+# module-scoped fixtures are built once). (`--dist loadgroup` would let modules share a worker, but pytest-xdist 3.8
+# renames node ids through an attribute pytest 9.2 no longer reads: its groups are silently ignored.) The
+# network-namespace labs may run side by side: each names its namespaces with its own random tag. The modules of
+# the longest tests go first, so that the other worker runs the many short ones beside them instead of waiting at
+# the end (longest-first scheduling).
 LONGEST_FIRST = ("test_wan_faults", "test_nat_swarm")
-
-
-def _module(item) -> str:
-    return item.module.__name__.rsplit(".", 1)[-1]
-
-
-def _groups(items) -> dict[str, str]:
-    """Each module's group: realistic (a module with a test of the realistic fixture), or itself."""
-    realistic = {_module(i) for i in items if "realistic_model_dir" in getattr(i, "fixturenames", ())}
-    return {m: "realistic" if m in realistic else m for m in map(_module, items)}
 
 
 def _rank(item) -> int:
@@ -35,14 +26,11 @@ def _rank(item) -> int:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """One worker per group (see above); groups holding the longest tests first, collection order otherwise."""
-    groups = _groups(items)
+    """Modules holding the longest tests first, collection order otherwise (and within a module)."""
     first: dict[str, int] = {}
     for item in items:
-        group = groups[_module(item)]
-        first[group] = min(first.get(group, 99), _rank(item))
-        item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=lambda item: first[groups[_module(item)]])  # stable: a group keeps its collection order
+        first[item.nodeid.split("::")[0]] = min(first.get(item.nodeid.split("::")[0], 99), _rank(item))
+    items.sort(key=lambda item: first[item.nodeid.split("::")[0]])  # stable
 
 
 @pytest.fixture(scope="session")
