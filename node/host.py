@@ -146,6 +146,10 @@ class Swarm:
         except Exception as exc:
             raise ConnectionError(f"{info.peer_id}: direct dial failed ({error}), relay too ({exc})") from None
 
+    def is_direct(self, peer: ID) -> bool:
+        """Whether this node has a direct (not relayed) connection to ``peer`` (always, without reachability)."""
+        return self.reach is None or self.reach.has_direct(peer)
+
     def chunk_peers(self) -> list[ID]:
         """Peers to ask for weight chunks: those with a direct connection. A peer reachable only through a relay
         is asked only when no other peer is (relays cap every circuit's bytes: a last resort, not a path)."""

@@ -382,12 +382,15 @@ class WeightSync:
         self._expecting.update((chunks[i], until) for i in first if not self.store.has(chunks[i]))
 
     def _relay(self, state: PushState, h: bytes, data: bytes) -> None:
-        """A chunk the origin gave this node first goes on to the plan's other peers at once (a lane each)."""
+        """A chunk the origin gave this node first goes on to the plan's other peers at once (a lane each), over
+        direct connections only: relays are for control traffic (each circuit's bytes are capped)."""
         if self._nursery is None:
             return
         connected = set(self.swarm.host.get_connected_peers())
         for peer in state.peers:
             if peer in (self.swarm.peer_id, self.trainer_id) or peer not in connected or self.strikes.is_banned(peer):
+                continue
+            if not self.swarm.is_direct(peer):
                 continue
             lane = state.lanes.get(peer)
             if lane is None:
