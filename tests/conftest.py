@@ -9,7 +9,8 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# The README's test command runs one worker per core (`-n auto --dist loadfile`): a module is a worker's unit (its
+# The README's test command runs one worker per core (`-n auto --dist loadfile --no-loadscope-reorder`: xdist
+# would otherwise hand out the modules with the most tests first): a module is a worker's unit (its
 # module-scoped fixtures are built once). (`--dist loadgroup` would let modules share a worker, but pytest-xdist 3.8
 # renames node ids through an attribute pytest 9.2 no longer reads: its groups are silently ignored.) The
 # network-namespace labs may run side by side: each names its namespaces with its own random tag. The modules of
