@@ -28,13 +28,15 @@ def _rank(item) -> int:
 
 def pytest_collection_modifyitems(config, items) -> None:
     """Modules holding the longest tests first, and those tests first in them; collection order otherwise."""
-    first: dict[str, int] = {}
+    rank = {item.nodeid: _rank(item) for item in items}
+    first: dict[str, int] = {}  # module -> the rank of its longest test
     for item in items:
-        first[item.nodeid.split("::")[0]] = min(first.get(item.nodeid.split("::")[0], 99), _rank(item))
+        module = item.nodeid.split("::")[0]
+        first[module] = min(first.get(module, 99), rank[item.nodeid])
     # the longest tests first within their modules too: a lab test that asserts timing bounds stretched by the load
     # average then never runs in a session's first seconds, when the average lags the load (burner run b5: the
     # first test to finish, beside the NAT lab's setup and two burners, failed at once)
-    items.sort(key=lambda item: (first[item.nodeid.split("::")[0]], _rank(item) >= len(LONGEST_FIRST)))  # stable
+    items.sort(key=lambda item: (first[item.nodeid.split("::")[0]], rank[item.nodeid] >= len(LONGEST_FIRST)))
 
 
 @pytest.fixture(scope="session")
