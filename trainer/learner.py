@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -129,17 +129,31 @@ class Learner:
         """Gradients of the GRPO loss on ``groups`` in ``.grad``, accumulated over micro-batches: (stats, tokens)."""
         rows = rows_of(groups)
         n_tokens = sum(len(r.completion) for r in rows)
-        totals = LossStats(0.0, 0.0, 0.0, 0.0, 0.0)
+        totals = [0.0] * len(fields(LossStats))
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         self.activation_bytes = 0
         self.time_forward = self.time_backward = 0.0
         lengths = [len(r.prompt) + len(r.completion) for r in rows]
         self.forward_tokens = sum(lengths)
-        for idx in micro_batches(lengths, self.settings.micro_batch_tokens):
+        for idx in self._micro_batches(lengths):
+            if not idx:
+                self._idle_pass()
+                continue
             stats = self._accumulate([rows[i] for i in idx], n_tokens)
-            totals = LossStats(*(a + b for a, b in zip(vars(totals).values(), vars(stats).values(), strict=True)))
-        return totals, n_tokens
+            totals = [a + b for a, b in zip(totals, vars(stats).values(), strict=True)]
+        return self._batch_stats(totals), n_tokens
+
+    def _micro_batches(self, lengths: list[int]) -> list[list[int]]:
+        """The micro-batches (row indices) this learner runs (a sharded one: this rank's share, maybe empty)."""
+        return micro_batches(lengths, self.settings.micro_batch_tokens)
+
+    def _idle_pass(self) -> None:
+        """An empty micro-batch (a sharded rank with no rows still joins its peers' collectives; never here)."""
+
+    def _batch_stats(self, totals: list[float]) -> LossStats:
+        """The whole batch's loss stats from this learner's sums (a sharded one adds the other ranks')."""
+        return LossStats(*totals)
 
     def step(self, groups: list[Group]) -> dict[str, float]:
         """One GRPO optimizer step on ``groups``; returns its metrics."""

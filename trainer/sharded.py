@@ -40,7 +40,7 @@ from trainer.draws import split_draws, token_draws
 from trainer.errors import UserError
 from trainer.evaluate import evaluate_with
 from trainer.grpo import LossStats
-from trainer.learner import Learner, rows_of
+from trainer.learner import Learner
 from trainer.model import (
     TORCH_DTYPES,
     LogitsAt,
@@ -249,26 +249,15 @@ class ShardedLearner(Learner):
         return ShardedScorer(self.ranks, model_dir, self.precision, keep, root, self.settings.micro_batch_tokens)
 
     # -- training ----------------------------------------------------------------------------------------
-    def backward(self, groups: list[Any]) -> tuple[LossStats, int]:
-        """This rank's share of the batch, forward and backward; the stats summed over ranks (the whole batch's)."""
-        rows = rows_of(groups)
-        n_tokens = sum(len(r.completion) for r in rows)
-        totals = [0.0] * 5
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.activation_bytes = 0
-        self.time_forward = self.time_backward = 0.0
-        lengths = [len(r.prompt) + len(r.completion) for r in rows]
-        self.forward_tokens = sum(lengths)
-        for idx in rank_micro_batches(lengths, self.ranks.world, self.settings.micro_batch_tokens)[self.ranks.rank]:
-            if not idx:
-                self._idle_pass()
-                continue
-            stats = self._accumulate([rows[i] for i in idx], n_tokens)
-            totals = [a + b for a, b in zip(totals, vars(stats).values(), strict=True)]
+    def _micro_batches(self, lengths: list[int]) -> list[list[int]]:
+        """This rank's share of the batch's micro-batches (as many on every rank; some may be empty)."""
+        return rank_micro_batches(lengths, self.ranks.world, self.settings.micro_batch_tokens)[self.ranks.rank]
+
+    def _batch_stats(self, totals: list[float]) -> LossStats:
+        """The stats summed over ranks (the whole batch's)."""
         summed = torch.tensor(totals, dtype=torch.float64)
         dist.all_reduce(summed, group=self.ranks.control)
-        return LossStats(*summed.tolist()), n_tokens
+        return LossStats(*summed.tolist())
 
     def _idle_pass(self) -> None:
         device = self.precision.device
