@@ -96,16 +96,36 @@ class Swarm:
         return out
 
     async def connect(self, info: PeerInfo, timeout: float = 10.0) -> None:
+        """Dial ``info`` (directly, else through a relay when the node has reachability)."""
         if info.peer_id == self.peer_id:
             return
         if not self.gate.allows(info.peer_id):
             raise UserError(f"{info.peer_id} is not on this swarm's allow-list")
         if self.reach is None:
-            with trio.fail_after(timeout):
-                await self.host.connect(info)
+            await self._dial(info, timeout)
         elif not self.reach.has_direct(info.peer_id):
             await self._connect_direct_or_relayed(info, timeout)
         await self.dht.add_peer(info.peer_id)
+
+    async def _dial(self, info: PeerInfo, timeout: float) -> None:
+        """A direct dial to the addresses ``info`` gives, each in turn until one answers (the peerstore's when it
+        gives none). py-libp2p's ``dial_peer`` tries one address per transport, the first its peerstore holds, and
+        then refuses the peer for 60 s (its negative cache, keyed on the peer): a trainer that moved was dialled at
+        its old address only, then not at all at the new ones the DHT gave. Our callers keep their own backoff."""
+        direct = [a for a in info.addrs if not is_relayed_addr(a)]
+        with trio.fail_after(timeout):
+            if not direct or info.peer_id in self.host.get_connected_peers():
+                await self.host.connect(info)
+                return
+            self.host.get_peerstore().add_addrs(info.peer_id, direct, 600)
+            network, errors = self.host.get_network(), []
+            for addr in direct:
+                try:
+                    await network.dial_addr(addr, info.peer_id)
+                    return
+                except Exception as exc:
+                    errors.append(f"{addr}: {exc}")
+        raise ConnectionError(f"{info.peer_id}: no address answered ({'; '.join(errors)})")
 
     async def _connect_direct_or_relayed(self, info: PeerInfo, timeout: float) -> None:
         """A direct dial first (briefly when the peer advertises a relay address), then through a relay."""
@@ -115,8 +135,7 @@ class Swarm:
         if not relayed:
             trusted = info.peer_id in self.reach.options.trusted
             try:
-                with trio.fail_after(timeout if trusted else min(timeout, 2 * DIRECT_DIAL_TIMEOUT)):
-                    await self.host.connect(info)
+                await self._dial(info, timeout if trusted else min(timeout, 2 * DIRECT_DIAL_TIMEOUT))
                 return
             except Exception as exc:
                 if trusted:
@@ -224,12 +243,6 @@ def bootstrap_peers(swarm: Swarm, addrs: tuple[multiaddr.Multiaddr, ...]) -> tup
     return others, listed
 
 
-def forget_failure(swarm: Swarm, peer: ID) -> None:
-    """py-libp2p refuses to dial a peer for 60 s after all its addresses failed (its negative cache): a bootstrap
-    peer that comes up within that minute would be missed by every retry. Our retries have their own backoff."""
-    swarm.host.get_network().unblock_peer(peer)
-
-
 async def join_bootstrap(swarm: Swarm, infos: list[PeerInfo], timeout: float) -> int:
     """Connect to every bootstrap peer we can; retry until ``timeout``; raise if none answered.
 
@@ -243,7 +256,6 @@ async def join_bootstrap(swarm: Swarm, infos: list[PeerInfo], timeout: float) ->
         reached = 0
         for info in infos:
             try:
-                forget_failure(swarm, info.peer_id)
                 await swarm.connect(info, timeout=max(1.0, min(10.0, deadline - trio.current_time())))
                 reached += 1
             except Exception as exc:
@@ -275,7 +287,6 @@ async def _keep_bootstrap_peer(swarm: Swarm, info: PeerInfo, first: float, most:
             await trio.sleep(first)
             continue
         try:
-            forget_failure(swarm, info.peer_id)
             await swarm.connect(info, timeout=10.0)
             log.info("bootstrap peer %s reached", info.peer_id)
             delay, failed = first, False
