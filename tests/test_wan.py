@@ -315,6 +315,7 @@ def test_wan_faults_lose_nothing_and_every_sampler_converges(tmp_path, tiny_mode
         )
         trainer, states = sc.trainer(), {n: swarm.status(n) for n in honest}
         evil_state = swarm.status("evil")
+    print(f"where the scenario's time went:\n{sc.timings()}")
 
     FIGURES.mkdir(parents=True, exist_ok=True)
     plot_timeline(swarm, tmp_path / "wan_timeline.png", "swarmrl on an emulated WAN: faults and convergence")

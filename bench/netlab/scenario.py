@@ -53,6 +53,7 @@ class Scenario:
         self.joins = dict(joins)  # sampler -> time (s after start) it joins
         self.down: set[str] = set()
         self.wait = wait
+        self.spent: list[tuple[str, float]] = []  # each wait and its seconds: where a run's time went
 
     def pump(self, until, timeout: float, what: str) -> None:
         """Run the scenario until ``until()`` holds (True, or an empty list of what is missing); on a timeout the
@@ -68,7 +69,17 @@ class Scenario:
             self.swarm.check_alive(*[n for n in self.swarm.procs if n not in self.down])
             return until()
 
-        self.wait(step, timeout, what, interval=0.1, state=lambda: {n: self.swarm.status(n) for n in self.swarm.procs})
+        t0 = time.monotonic()
+        try:
+            self.wait(
+                step, timeout, what, interval=0.1, state=lambda: {n: self.swarm.status(n) for n in self.swarm.procs}
+            )
+        finally:
+            self.spent.append((what, time.monotonic() - t0))
+
+    def timings(self) -> str:
+        """Where the waits' time went, one line per wait, the longest first."""
+        return "\n".join(f"{sec:6.1f} s  {what}" for what, sec in sorted(self.spent, key=lambda x: -x[1]))
 
     def versions(self, names) -> dict[str, int]:
         return {n: self.version(n) for n in names}
