@@ -479,6 +479,13 @@ PATCHES: tuple[Patch, ...] = (
         "node/libp2p/access.py providers_from_peer (node/discovery.py asks the trusted peers too)",
         _T + "test_stock_find_providers_answers_from_the_local_store_alone",
     ),
+    Patch(
+        "dial-one-address",
+        "dial_peer tries one address per transport (the peerstore's first), then refuses the peer for 60 s",
+        "libp2p.network.swarm.Swarm.dial_peer",
+        "node/host.py Swarm._dial (each given address in turn, with the public Swarm.dial_addr)",
+        "tests/test_swarm_discovery.py::test_a_peer_that_moved_is_dialled_at_its_new_addresses_at_once (ours working)",
+    ),
 )
 
 # Private names read or set without fixing a bug (no public API for them in 0.8.1): an upgrade checks each still exists.
