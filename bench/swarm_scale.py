@@ -1,0 +1,736 @@
+"""bench/swarm_scale: how many samplers one trainer feeds, on loopback, with N real sampler hosts (issue 29).
+
+One bootstrap node, one trainer and N samplers, each its own process group:
+
+- the trainer is the product's ``TrainerRole`` under ``run_node`` in a process of its own (what ``swarmrl node
+  --role trainer`` runs), started by this script rather than by the CLI so that a probe inside its trio loop can
+  measure the loop's lag and read its connections, verification seconds and lease refusals without new knobs;
+- the samplers are ``SamplerRole``s under ``run_node``, N/K to a process on one trio loop each (K processes):
+  every one has its own identity, listening address, connections, DHT participation, gossip, weight downloads and
+  version rebuilds. Only the engine is shared: one torch engine per process and version (the embedded tiny model,
+  loaded from the first identity of that process to install the version), batching the groups of all identities
+  that wait at once into one ``generate_rows`` call. Every token is drawn by the seeded draw rule and every group
+  verified by the trainer as in the product.
+
+Per N it waits until most samplers have a group accepted, then measures a steady window: accepted groups/s, the
+trainer's CPU (cores and CPU-seconds per group), verification seconds per second, event-loop lag (p50/p99/max),
+connections and RSS (per connected peer: the slope against N), time from a version's announcement to 50%/99% of
+samplers having installed it, DHT lookup time of the trainer's and the samplers' records, leases refused as busy,
+errors, and the machine's CPU share of every process. Writes bench/results/swarm_scale.txt and swarm_scale.png.
+
+    nice -n 10 .venv/bin/python bench/swarm_scale.py [--n 16 64 256] [--per-proc 64] [--window 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+RESULTS = Path(__file__).resolve().parent / "results"
+RUNS = Path(__file__).resolve().parents[1] / "runs" / "swarm_scale"
+# a version every batch_groups x publish_every = 128 groups: every sampler downloads and rebuilds every version, so
+# on one box the samplers' share of the CPU grows with N x versions/s (each real sampler pays its own)
+TRAINER = dict(task="reverse", group_size=4, max_tokens=6, batch_groups=32, publish_every=4, eval_every=10**6,
+               checkpoint_every=10**6, dashboard="off")  # fmt: skip
+CLK = os.sysconf("SC_CLK_TCK")
+
+
+# -- measuring processes from outside --------------------------------------------------------------------------------
+
+
+def proc_cpu(pid: int) -> float:
+    """CPU-seconds (user + system) a process used so far; 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / CLK
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def proc_rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def machine_cpu() -> tuple[float, float]:
+    """(busy, total) CPU-seconds of the whole machine since boot."""
+    parts = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = parts[3] + parts[4]
+    return (sum(parts) - idle) / CLK, sum(parts) / CLK
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def write_json(path: Path, data: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+# -- the processes ---------------------------------------------------------------------------------------------------
+
+
+def boot_main(args: argparse.Namespace) -> None:
+    import trio
+
+    from node.local_swarm import start_bootstrap
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            boot = await start_bootstrap(nursery, Path(args.root))
+            (Path(args.root) / "boot.addr").write_text(str(boot.swarm.addrs()[0]))
+
+    trio.run(main)
+
+
+class LagProbe:
+    """How late a trio loop wakes a sleeper: the loop's lag (what every handler on it waits on top of its work)."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+
+    async def run(self, period: float = 0.05) -> None:
+        import trio
+
+        while True:
+            t0 = trio.current_time()
+            await trio.sleep(period)
+            self.samples.append(trio.current_time() - t0 - period)
+
+    def take(self) -> list[float]:
+        out, self.samples = self.samples, []
+        return out
+
+
+def trainer_main(args: argparse.Namespace) -> None:
+    import multiaddr
+    import trio
+
+    from node.intake import Busy
+    from node.local_swarm import node_config, settings
+    from node.roles.trainer import TrainerRole
+    from node.runtime import run_node
+
+    root = Path(args.root)
+    boot = multiaddr.Multiaddr((root / "boot.addr").read_text().strip())
+    cfg = node_config(root, "trainer", "trainer", bootstrap=(boot,), provide_interval=30.0, status_interval=10.0)
+    s = settings(trainer={**TRAINER, "newcomer_rate": args.newcomer_rate}, learner={"model_dir": Path(args.model)})
+    role = TrainerRole(cfg, s)
+    busy = {"refused": 0}
+    lease = role.intake.lease
+
+    def counting_lease(*a: Any, **kw: Any) -> Any:  # counts refusals; the decision is the product's
+        try:
+            return lease(*a, **kw)
+        except Busy:
+            busy["refused"] += 1
+            raise
+
+    role.intake.lease = counting_lease  # type: ignore[method-assign]
+    admit = role.intake.admit_work
+
+    def counting_admit(*a: Any, **kw: Any) -> Any:
+        try:
+            return admit(*a, **kw)
+        except Busy:
+            busy["refused"] += 1
+            raise
+
+    role.intake.admit_work = counting_admit  # type: ignore[method-assign]
+    probe = LagProbe()
+    published: dict[int, float] = {}
+
+    async def watch_published() -> None:
+        while True:
+            if role.outbox.published is not None:
+                published.setdefault(role.outbox.published[0], time.time())
+            await trio.sleep(0.05)
+
+    async def report(swarm: Any) -> None:
+        while True:
+            now = time.time()
+            lags = probe.take()
+            conns = swarm.host.get_network().get_connections()
+            st = role.intake.status()
+            write_json(root / "trainer.json", {
+                "time": now, "cpu": sum(os.times()[:2]), "rss_mb": proc_rss_mb(os.getpid()),
+                "connections": len(conns), "peers": len(swarm.host.get_connected_peers()),
+                "conn_counts": dict(swarm.conns.counts), "inbound": swarm.conns.status().get("inbound"),
+                "groups_accepted": st.get("groups_accepted", 0), "groups_rejected": st.get("groups_rejected", 0),
+                "groups_forged": st.get("groups_forged", 0), "rate_limited": st.get("rate_limited", 0),
+                "leases_issued": st.get("leases_issued", 0), "leases_busy": busy["refused"],
+                "peers_accepted": len(st.get("accepted_by_peer", {})),
+                "verify_seconds": role.intake.verifier.scoring_seconds,
+                "verify_tokens": role.intake.verifier.scored_tokens,
+                "busy_seconds": role.meter.busy_seconds, "step": role.learner.steps, "version": role.learner.version,
+                "published": published, "lag": lags,
+            })  # fmt: skip
+            await trio.sleep(1.0)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            swarm = await nursery.start(run_node, cfg, role)
+            nursery.start_soon(probe.run)
+            nursery.start_soon(watch_published)
+            nursery.start_soon(report, swarm)
+
+    trio.run(main)
+
+
+class SharedEngine:
+    """One engine per version for every identity of this process, batching the groups that wait at once.
+
+    Each identity downloads, checks and rebuilds its versions itself; the first to install version v here loads it
+    (every other identity's copy of v is bit-identical: each tensor's blake3 was checked against the signed
+    manifest). Groups are queued by the identities' worker threads and decoded together, per (version, sampling)."""
+
+    def __init__(self, window: float = 0.02) -> None:
+        self.window = window
+        self.models: dict[int, Any] = {}
+        self.cond = threading.Condition()
+        self.decoding = threading.Lock()
+        self.queue: list[dict[str, Any]] = []
+        self.batches = 0
+        self.rows = 0
+        threading.Thread(target=self._loop, daemon=True).start()
+
+    def load(self, path: Path, version: int) -> None:
+        from node.engines.torch_engine import TorchEngine
+
+        with self.decoding:  # one thing at a time on the engines: loading touches torch's global state
+            if version in self.models:
+                return
+            engine = TorchEngine(path, version=version, compute="fp32")
+            for p in engine.model.parameters():  # own the weights: the file may be mapped, and the store moves on
+                p.data = p.data.clone()
+            self.models[version] = engine
+            for old in sorted(self.models)[:-8]:  # the staleness bound is 4: older ones are never asked for
+                del self.models[old]
+
+    def generate(self, version: int, prompts: list[list[int]], seed: int, **sampling: Any) -> list[Any]:
+        job = {"version": version, "prompts": prompts, "seed": seed, "sampling": sampling, "done": threading.Event()}
+        with self.cond:
+            self.queue.append(job)
+            self.cond.notify()
+        job["done"].wait()
+        if "error" in job:
+            raise job["error"]
+        return job["out"]
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                while not self.queue:
+                    self.cond.wait()
+            time.sleep(self.window)  # let the other identities' groups join this batch
+            with self.cond:
+                jobs, self.queue = self.queue, []
+            by_kind: dict[tuple, list[dict[str, Any]]] = {}
+            for job in jobs:
+                by_kind.setdefault((job["version"], *sorted(job["sampling"].items())), []).append(job)
+            for (version, *_), group in by_kind.items():
+                try:
+                    prompts = [p for j in group for p in j["prompts"]]
+                    rows = [(j["seed"], k) for j in group for k in range(len(j["prompts"]))]
+                    with self.decoding:
+                        out = self.models[version].generate_rows(prompts, rows, **group[0]["sampling"])
+                    self.batches += 1
+                    self.rows += len(rows)
+                    i = 0
+                    for j in group:
+                        j["out"] = out[i : i + len(j["prompts"])]
+                        i += len(j["prompts"])
+                except Exception as exc:
+                    for j in group:
+                        j["error"] = exc
+                for j in group:
+                    j["done"].set()
+
+
+class IdentityEngine:
+    """One sampler identity's view of the shared engine: the Engine protocol, at the version this identity runs."""
+
+    name = "torch"
+    quant = "none"
+    compute = "fp32"
+
+    def __init__(self, shared: SharedEngine, path: Path, version: int) -> None:
+        self.shared = shared
+        self.swap(path, version)
+
+    def swap(self, model_dir: Path, version: int) -> None:
+        self.shared.load(model_dir, version)
+        self.version = version
+
+    def generate(self, prompts: list[list[int]], *, temperature: float, top_p: float, max_tokens: int, seed: int):
+        return self.shared.generate(
+            self.version, prompts, seed, temperature=temperature, top_p=top_p, max_tokens=max_tokens
+        )
+
+
+def samplers_main(args: argparse.Namespace) -> None:
+    import multiaddr
+    import torch
+    import trio
+
+    from node.local_swarm import node_config, settings, trainer_peer_id
+    from node.roles.sampler import SamplerRole
+    from node.runtime import run_node
+
+    torch.set_num_threads(1)
+    root = Path(args.root)
+    boot = multiaddr.Multiaddr((root / "boot.addr").read_text().strip())
+    trainer_id = trainer_peer_id(root)
+    shared = SharedEngine()
+    names = [f"s{i:04d}" for i in range(args.first, args.first + args.count)]
+    roles: dict[str, Any] = {}
+    swarms: dict[str, Any] = {}
+    marks: dict[str, dict[str, Any]] = {n: {"installed": {}, "heard": {}} for n in names}
+    probe = LagProbe()
+    finds: list[dict[str, float]] = []
+
+    async def one(name: str, delay: float) -> None:
+        await trio.sleep(delay)
+        cfg = node_config(root, name, "sampler", bootstrap=(boot,), trainer_id=trainer_id, provide_interval=30.0,
+                          discover_interval=2.0, status_interval=30.0, bootstrap_timeout=60.0)  # fmt: skip
+        s = settings(sampler={"engine": "torch", "bits": "none", "compute": "fp32"})
+        role = SamplerRole(cfg, s, lambda path, version: IdentityEngine(shared, path, version))
+        roles[name] = role
+        marks[name]["started"] = time.time()
+        try:
+            swarms[name] = await nursery_ref[0].start(run_node, cfg, role)
+        except BaseException as exc:
+            marks[name]["error"] = f"{type(exc).__name__}: {exc}"
+            return
+        marks[name]["joined"] = time.time()
+
+    async def watch() -> None:
+        while True:
+            now = time.time()
+            for name, role in roles.items():
+                m = marks[name]
+                if "trainer_found" not in m and role.discovery.trainer_found.is_set():
+                    m["trainer_found"] = now
+                if "sampler_found" not in m and role.discovery.samplers:
+                    m["sampler_found"] = now
+                if role.engine is not None:
+                    m["installed"].setdefault(str(role.engine.version), now)
+                target = getattr(getattr(role, "weights", None), "target", None)
+                if target is not None:
+                    m["heard"].setdefault(str(target[0]), now)
+            await trio.sleep(0.1)
+
+    async def dht_probe() -> None:
+        """Time DHT lookups of the trainer's and the samplers' records from one identity of this process."""
+        from node.discovery import find_role, role_key
+
+        await trio.sleep(30)
+        while True:
+            for role_name in ("trainer", "sampler"):
+                live = [n for n in names if n in swarms]
+                if not live:
+                    break
+                swarm = swarms[live[len(finds) % len(live)]]
+                t0 = time.monotonic()
+                found = await find_role(swarm, role_key("test", role_name))
+                finds.append({"role": role_name, "seconds": time.monotonic() - t0, "found": len(found)})
+            await trio.sleep(10)
+
+    async def report() -> None:
+        while True:
+            lags = probe.take()
+            stats = {}
+            for name, role in roles.items():
+                m = marks[name]
+                stats[name] = {
+                    **m,
+                    "accepted": role.rollouts_accepted, "sent": role.groups_sent, "rejected": role.rollouts_rejected,
+                    "strikes": role.strikes, "rate_limited": role.rate_limited, "last_error": role.last_error,
+                    "connections": len(swarms[name].host.get_connected_peers()) if name in swarms else 0,
+                }  # fmt: skip
+            write_json(root / f"procs-{args.first}.json", {
+                "time": time.time(), "cpu": sum(os.times()[:2]), "rss_mb": proc_rss_mb(os.getpid()),
+                "lag": lags, "finds": finds, "batches": shared.batches, "rows": shared.rows, "samplers": stats,
+            })  # fmt: skip
+            finds.clear()
+            await trio.sleep(2.0)
+
+    nursery_ref: list[Any] = []
+
+    async def main() -> None:
+        limiter = trio.to_thread.current_default_thread_limiter()
+        limiter.total_tokens = max(limiter.total_tokens, 2 * args.count + 8)  # identities wait on the batcher
+        async with trio.open_nursery() as nursery:
+            nursery_ref.append(nursery)
+            nursery.start_soon(probe.run)
+            nursery.start_soon(watch)
+            nursery.start_soon(report)
+            nursery.start_soon(dht_probe)
+            for i, name in enumerate(names):
+                nursery.start_soon(one, name, i * args.stagger)
+
+    trio.run(main)
+
+
+# -- the orchestrator ------------------------------------------------------------------------------------------------
+
+
+class Run:
+    """One N: the processes, their stats files, and the measurements."""
+
+    def __init__(self, n: int, per_proc: int, root: Path, model: Path, args: argparse.Namespace) -> None:
+        self.n, self.root, self.args = n, root, args
+        self.procs: dict[str, subprocess.Popen] = {}
+        root.mkdir(parents=True, exist_ok=True)
+        py = [sys.executable, __file__]
+        logs = root / "logs"
+        logs.mkdir(exist_ok=True)
+
+        def spawn(name: str, *extra: str) -> None:
+            out = open(logs / f"{name}.log", "w")
+            self.procs[name] = subprocess.Popen(
+                [*py, *extra, "--root", str(root)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+        spawn("boot", "boot")
+        self._wait_file(root / "boot.addr", 60)
+        spawn("trainer", "trainer", "--model", str(model), "--newcomer-rate", str(args.newcomer_rate))
+        self._wait_file(root / "trainer.json", 180)
+        k = max(1, -(-n // per_proc))
+        for p in range(k):
+            first, count = p * n // k, (p + 1) * n // k - p * n // k
+            stagger = args.join_seconds / max(1, count)  # every process joins its identities over join_seconds
+            spawn(f"samplers{p}", "samplers", "--first", str(first), "--count", str(count), "--stagger", f"{stagger}")
+        self.k = k
+
+    def _wait_file(self, path: Path, timeout: float) -> None:
+        deadline = time.time() + timeout
+        while not path.exists():
+            if time.time() > deadline:
+                raise TimeoutError(f"{path} did not appear in {timeout:.0f} s (see {self.root / 'logs'})")
+            for name, p in self.procs.items():
+                if p.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {p.returncode} (see {self.root / 'logs' / name}.log)")
+            time.sleep(0.5)
+
+    def trainer(self) -> dict[str, Any]:
+        return json.loads((self.root / "trainer.json").read_text())
+
+    def samplers(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        stats: dict[str, Any] = {}
+        procs = []
+        for f in sorted(self.root.glob("procs-*.json")):
+            try:
+                d = json.loads(f.read_text())
+            except (OSError, ValueError):
+                continue
+            stats.update(d["samplers"])
+            procs.append(d)
+        return stats, procs
+
+    def cpu(self) -> dict[str, float]:
+        return {name: proc_cpu(p.pid) for name, p in self.procs.items()}
+
+    def dead(self) -> list[str]:
+        return [f"{n} (exit {p.returncode})" for n, p in self.procs.items() if p.poll() is not None]
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def progress(run: Run, t0: float) -> dict[str, Any]:
+    t = run.trainer()
+    stats, _ = run.samplers()
+    found = sum(1 for s in stats.values() if "trainer_found" in s)
+    working = sum(1 for s in stats.values() if s["accepted"] > 0)
+    lag = t["lag"]
+    print(
+        f"  N={run.n} t={time.time() - t0:5.0f}s joined {sum('joined' in s for s in stats.values())}/{run.n} "
+        f"found trainer {found} accepted>0 {working} | trainer: groups {t['groups_accepted']} step {t['step']} "
+        f"v{t['version']} peers {t['peers']} conns {t['connections']} lag p99 {pct(lag, 0.99) * 1e3:.0f} ms "
+        f"rss {t['rss_mb']:.0f} MB busy-leases {t['leases_busy']} dead {run.dead()}",
+        flush=True,
+    )
+    return {"working": working, "trainer": t}
+
+
+def measure(run: Run, window: float) -> dict[str, Any]:
+    """A steady window: rates from the counters' deltas, the versions published inside it and how they spread."""
+    t_a, cpu_a, m_a = run.trainer(), run.cpu(), machine_cpu()
+    s_a, _ = run.samplers()
+    lags: list[float] = []
+    finds: list[dict[str, float]] = []
+    proc_lags: list[float] = []
+    start = time.time()
+    while time.time() - start < window:
+        time.sleep(2.0)
+        lags += run.trainer()["lag"]
+        for d in run.samplers()[1]:
+            proc_lags += d["lag"]
+            finds += d["finds"]
+    time.sleep(0.5)
+    t_b, cpu_b, m_b = run.trainer(), run.cpu(), machine_cpu()
+    s_b, procs = run.samplers()
+    dt = t_b["time"] - t_a["time"]
+    groups = t_b["groups_accepted"] - t_a["groups_accepted"]
+    trainer_cpu = cpu_b["trainer"] - cpu_a["trainer"]
+    sampler_cpu = sum(cpu_b[k] - cpu_a.get(k, 0) for k in cpu_b if k.startswith("samplers"))
+    busy, total = m_b[0] - m_a[0], m_b[1] - m_a[1]
+    # a version published in the window (or shortly before): seconds from its announcement to each sampler
+    spread = []
+    for v, at in t_b["published"].items():
+        if not (start - 10 <= at <= time.time() - 15):
+            continue
+        heard = [s["heard"][v] - at for s in s_b.values() if v in s.get("heard", {})]
+        inst = [s["installed"][v] - at for s in s_b.values() if v in s.get("installed", {})]
+        inst_or_later = []
+        for s in s_b.values():
+            later = [s["installed"][u] for u in s.get("installed", {}) if int(u) >= int(v)]
+            if later:
+                inst_or_later.append(min(later) - at)
+        spread.append({"version": int(v), "heard": heard, "installed": inst, "installed_or_later": inst_or_later})
+    live = [s for s in s_b.values() if "joined" in s]
+    to_trainer = [s["trainer_found"] - s["started"] for s in s_b.values() if "trainer_found" in s]
+    accepted_by = {n: s_b[n]["accepted"] - s_a.get(n, {}).get("accepted", 0) for n in s_b}
+    errors = sorted({s["last_error"][:90] for s in s_b.values() if s.get("last_error")})
+    return {
+        "n": run.n,
+        "procs": run.k,
+        "seconds": dt,
+        "groups_per_s": groups / dt,
+        "rollouts_per_s": groups * TRAINER["group_size"] / dt,
+        "samplers_accepting": sum(1 for v in accepted_by.values() if v > 0),
+        "samplers_joined": len(live),
+        "trainer_cores": trainer_cpu / dt,
+        "trainer_cpu_per_group": trainer_cpu / max(groups, 1),
+        "sampler_cores": sampler_cpu / dt,
+        "sampler_cpu_per_group": sampler_cpu / max(groups, 1),
+        "verify_per_s": (t_b["verify_seconds"] - t_a["verify_seconds"]) / dt,
+        "verify_per_group": (t_b["verify_seconds"] - t_a["verify_seconds"]) / max(groups, 1),
+        "learn_per_s": (t_b["busy_seconds"] - t_a["busy_seconds"]) / dt,
+        "steps": t_b["step"] - t_a["step"],
+        "lag_p50_ms": pct(lags, 0.5) * 1e3,
+        "lag_p99_ms": pct(lags, 0.99) * 1e3,
+        "lag_max_ms": max(lags, default=float("nan")) * 1e3,
+        "sampler_lag_p99_ms": pct(proc_lags, 0.99) * 1e3,
+        "machine_busy": busy / total * os.cpu_count(),
+        "cores": os.cpu_count(),
+        "swarm_cores": (trainer_cpu + sampler_cpu + sum(cpu_b[k] - cpu_a.get(k, 0) for k in ("boot",))) / dt,
+        "trainer_connections": t_b["connections"],
+        "trainer_peers": t_b["peers"],
+        "trainer_rss_mb": t_b["rss_mb"],
+        "conn_counts": t_b["conn_counts"],
+        "sampler_connections_mean": statistics.fmean([s["connections"] for s in live]) if live else 0,
+        "spread": spread,
+        "dht_find_trainer_s": [f["seconds"] for f in finds if f["role"] == "trainer"],
+        "dht_find_sampler_s": [f["seconds"] for f in finds if f["role"] == "sampler"],
+        "dht_found_samplers": [f["found"] for f in finds if f["role"] == "sampler"],
+        "join_to_trainer_s": to_trainer,
+        "leases_busy": t_b["leases_busy"] - t_a["leases_busy"],
+        "leases_issued": t_b["leases_issued"] - t_a["leases_issued"],
+        "rate_limited": t_b["rate_limited"] - t_a["rate_limited"],
+        "rejected": t_b["groups_rejected"] - t_a["groups_rejected"],
+        "forged": t_b["groups_forged"],
+        "strikes": sum(s["strikes"] for s in s_b.values()),
+        "join_errors": sorted({s["error"][:90] for s in s_b.values() if "error" in s}),
+        "errors": errors,
+        "dead": run.dead(),
+        "batch_rows": sum(d["rows"] for d in procs) / max(1, sum(d["batches"] for d in procs)),
+    }
+
+
+def summarize_spread(spread: list[dict[str, Any]], n: int, key: str) -> tuple[float, float]:
+    """Median over versions of the time to 50% and to 99% of the N samplers (inf: never got there)."""
+    p50, p99 = [], []
+    for s in spread:
+        t = sorted(s[key])
+        p50.append(t[int(0.5 * n) - 1] if len(t) >= int(0.5 * n) else float("inf"))
+        k99 = max(1, int(0.99 * n))
+        p99.append(t[k99 - 1] if len(t) >= k99 else float("inf"))
+    return (statistics.median(p50) if p50 else float("nan"), statistics.median(p99) if p99 else float("nan"))
+
+
+def one_n(n: int, args: argparse.Namespace, model: Path) -> dict[str, Any]:
+    root = RUNS / f"n{n}"
+    if root.exists():
+        subprocess.run(["rm", "-rf", str(root)], check=True)
+    t0 = time.time()
+    print(f"N={n}: starting a bootstrap node, the trainer and {n} samplers", flush=True)
+    run = Run(n, args.per_proc, root, model, args)
+    try:
+        deadline = t0 + args.ramp
+        while time.time() < deadline:
+            time.sleep(5)
+            p = progress(run, t0)
+            if p["working"] >= 0.95 * n and time.time() - t0 > args.join_seconds + 20:
+                break
+            if run.dead():
+                break
+        ramp = time.time() - t0
+        print(f"N={n}: measuring {args.window:.0f} s of steady state (ramp took {ramp:.0f} s)", flush=True)
+        result = measure(run, args.window)
+        result["ramp_s"] = ramp
+        progress(run, t0)
+    finally:
+        run.stop()
+    result["announce_50_s"], result["announce_99_s"] = summarize_spread(result["spread"], n, "heard")
+    result["install_50_s"], result["install_99_s"] = summarize_spread(result["spread"], n, "installed_or_later")
+    print(report_line(result), flush=True)
+    return result
+
+
+def report_line(r: dict[str, Any]) -> str:
+    def med(xs: list[float]) -> float:
+        return statistics.median(xs) if xs else float("nan")
+
+    return (
+        f"N={r['n']:5d} ({r['procs']} sampler procs): {r['groups_per_s']:6.2f} groups/s accepted "
+        f"({r['samplers_accepting']}/{r['samplers_joined']} samplers accepting) | trainer {r['trainer_cores']:.2f} "
+        f"cores, {r['trainer_cpu_per_group'] * 1e3:.1f} ms CPU/group, verify {r['verify_per_s']:.2f} s/s, "
+        f"lag p50/p99/max {r['lag_p50_ms']:.0f}/{r['lag_p99_ms']:.0f}/{r['lag_max_ms']:.0f} ms, "
+        f"{r['trainer_connections']} conns, RSS {r['trainer_rss_mb']:.0f} MB | samplers {r['sampler_cores']:.2f} "
+        f"cores ({r['sampler_cpu_per_group'] * 1e3:.0f} ms CPU/group), machine busy {r['machine_busy']:.2f}/"
+        f"{r['cores']} cores | version heard 50/99% {r['announce_50_s']:.1f}/{r['announce_99_s']:.1f} s, "
+        f"installed 50/99% {r['install_50_s']:.1f}/{r['install_99_s']:.1f} s | DHT find trainer "
+        f"{med(r['dht_find_trainer_s']):.2f} s, samplers {med(r['dht_find_sampler_s']):.2f} s | join->trainer "
+        f"p50/p99 {pct(r['join_to_trainer_s'], 0.5):.1f}/{pct(r['join_to_trainer_s'], 0.99):.1f} s | leases busy "
+        f"{r['leases_busy']} of {r['leases_busy'] + r['leases_issued']}, rate-limited {r['rate_limited']}, "
+        f"rejected {r['rejected']}, forged {r['forged']}, strikes {r['strikes']} | dead {r['dead']} "
+        f"join errors {r['join_errors']} errors {r['errors'][:3]}"
+    )
+
+
+def write_results(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    RESULTS.mkdir(exist_ok=True)
+    lines = [
+        "bench/swarm_scale: one trainer, N real sampler hosts on loopback (K processes of N/K identities, one shared",
+        f"torch engine per process), embedded tiny model, group size {TRAINER['group_size']}, max tokens "
+        f"{TRAINER['max_tokens']}, batch {TRAINER['batch_groups']} groups; {os.cpu_count()} cores shared with "
+        f"other jobs; window {args.window:.0f} s; newcomer_rate {args.newcomer_rate}",
+        f"run: {' '.join(sys.argv)}",
+        "",
+    ]
+    lines += [report_line(r) for r in results]
+    lines += ["", "raw (per N):"]
+    for r in results:
+        raw = {k: v for k, v in r.items() if k not in ("spread",)}
+        raw["spread"] = [
+            {
+                "version": s["version"],
+                "heard_n": len(s["heard"]),
+                "installed_n": len(s["installed_or_later"]),
+                "heard_p50": pct(s["heard"], 0.5),
+                "installed_p50": pct(s["installed_or_later"], 0.5),
+                "installed_p99": pct(s["installed_or_later"], 0.99),
+            }
+            for s in r["spread"]
+        ]
+        for key in ("dht_find_trainer_s", "dht_find_sampler_s", "join_to_trainer_s", "dht_found_samplers"):
+            xs = r[key]
+            raw[key] = {"n": len(xs), "p50": pct(xs, 0.5), "p99": pct(xs, 0.99)}
+        lines.append(json.dumps(raw, default=float))
+    (RESULTS / "swarm_scale.txt").write_text("\n".join(lines) + "\n")
+    plot(results)
+
+
+def plot(results: list[dict[str, Any]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ns = [r["n"] for r in results]
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4.2))
+    ax[0].plot(ns, [r["groups_per_s"] for r in results], "o-", label="accepted groups/s")
+    ax[0].plot(ns, [r["trainer_cores"] for r in results], "s--", label="trainer cores")
+    ax[0].plot(ns, [r["verify_per_s"] for r in results], "^--", label="verification s/s")
+    ax[0].plot(ns, [r["machine_busy"] for r in results], "k:", label="machine busy cores")
+    ax[0].set_title("throughput and where it goes")
+    ax[1].plot(ns, [r["trainer_cpu_per_group"] * 1e3 for r in results], "o-", label="trainer ms CPU/group")
+    ax[1].plot(ns, [r["lag_p99_ms"] for r in results], "s-", label="trainer loop lag p99 (ms)")
+    ax[1].plot(ns, [r["trainer_rss_mb"] for r in results], "^-", label="trainer RSS (MB)")
+    ax[1].set_title("trainer costs")
+    ax[2].plot(ns, [r["announce_99_s"] for r in results], "o-", label="announcement to 99% (s)")
+    ax[2].plot(ns, [r["install_50_s"] for r in results], "s-", label="version installed by 50% (s)")
+    ax[2].plot(ns, [r["install_99_s"] for r in results], "^-", label="version installed by 99% (s)")
+    ax[2].set_title("a version's spread")
+    for a in ax:
+        a.set_xscale("log", base=2)
+        a.set_xlabel("samplers N")
+        a.legend(fontsize=8)
+        a.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "swarm_scale.png", dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd")
+    for name in ("boot", "trainer", "samplers"):
+        p = sub.add_parser(name)
+        p.add_argument("--root", required=True)
+        p.add_argument("--model")
+        p.add_argument("--newcomer-rate", type=float, default=4.0)
+        p.add_argument("--first", type=int, default=0)
+        p.add_argument("--count", type=int, default=1)
+        p.add_argument("--stagger", type=float, default=0.1)
+    ap.add_argument("--n", type=int, nargs="+", default=[16, 64, 256])
+    ap.add_argument("--per-proc", type=int, default=32, help="sampler identities per process")
+    ap.add_argument("--window", type=float, default=60.0, help="seconds of steady state measured per N")
+    ap.add_argument("--ramp", type=float, default=420.0, help="most seconds to wait for the samplers to work")
+    ap.add_argument("--join-seconds", type=float, default=30.0, help="each process starts its identities over this")
+    ap.add_argument("--newcomer-rate", type=float, default=4.0, help="the trainer's newcomer budget (groups/s)")
+    ap.add_argument("--no-write", action="store_true", help="print only (a smoke run)")
+    args = ap.parse_args()
+    if args.cmd is not None:
+        from node.cli import setup_logging
+
+        setup_logging(False)  # INFO to the process's log file (runs/swarm_scale/n<N>/logs/)
+    if args.cmd == "boot":
+        return boot_main(args)
+    if args.cmd == "trainer":
+        return trainer_main(args)
+    if args.cmd == "samplers":
+        return samplers_main(args)
+    from node.base_model import ensure_base_model
+
+    RUNS.mkdir(parents=True, exist_ok=True)
+    model = ensure_base_model(RUNS / "base-model")
+    results = []
+    for n in args.n:
+        results.append(one_n(n, args, model))
+        if not args.no_write:
+            write_results(results, args)
+
+
+if __name__ == "__main__":
+    main()
