@@ -165,14 +165,33 @@ def dial_backoff(failures: int) -> float:
     return min(300.0, 10.0 * 2**failures)
 
 
+SAMPLER_DEGREE = 24  # other samplers a sampler dials until it holds this many: a mesh whose size stays bounded
+
+
+def _dial_rank(me: object, peer: object) -> bytes:
+    """Each node's own stable order of the others: the dials of a swarm form a random graph, not a clique on the
+    first providers every lookup returns, and a node keeps choosing the same peers from one lookup to the next."""
+    return hashlib.blake2b(f"{me}|{peer}".encode(), digest_size=8).digest()
+
+
 def sampler_dials(
-    listed: Sequence[P], me: P, connected: Collection[P], not_before: Mapping[str, float], now: float
+    listed: Sequence[P],
+    me: P,
+    connected: Collection[P],
+    not_before: Mapping[str, float],
+    now: float,
+    have: int = 0,
+    degree: int = SAMPLER_DEGREE,
 ) -> tuple[list[P], list[P]]:
     """Of the samplers the DHT lists: (those already connected, those to dial). A peer whose dials failed lately is
-    left alone until ``not_before`` (by ``str(peer)``) has passed; we never dial ourselves."""
+    left alone until ``not_before`` (by ``str(peer)``) has passed; we never dial ourselves. We dial only until we
+    hold ``degree`` sampler connections (``have``, those that dialled us included): dialling every listed sampler
+    made a clique, N(N-1)/2 connections each with its keepalive, gossip and DHT upkeep (bench/swarm_scale)."""
     known = [p for p in listed if p != me and p in connected]
-    dial = [p for p in listed if p != me and p not in connected and not_before.get(str(p), 0.0) <= now]
-    return known, dial
+    free = [p for p in listed if p != me and p not in connected and not_before.get(str(p), 0.0) <= now]
+    room = max(0, degree - max(have, len(known)))
+    chosen = set(sorted(free, key=lambda p: _dial_rank(me, p))[:room])
+    return known, [p for p in free if p in chosen]
 
 
 class SamplerDiscovery:
@@ -210,7 +229,9 @@ class SamplerDiscovery:
         listed = {info.peer_id: info for info in await find_role(swarm, role_key(self.swarm_name, "sampler"))}
         now = trio.current_time()
         not_before = {k: at for k, (at, _) in self._redial_at.items()}
-        known, dial = sampler_dials(list(listed), swarm.peer_id, set(swarm.host.get_connected_peers()), not_before, now)
+        connected = set(swarm.host.get_connected_peers())
+        have = sum(1 for p in connected if str(p) in self.samplers)
+        known, dial = sampler_dials(list(listed), swarm.peer_id, connected, not_before, now, have)
         self.samplers.update(str(p) for p in known)
         for peer in dial:
             key = str(peer)
