@@ -79,6 +79,7 @@ class ConnLimits:
     keepalive_timeout: float = 45.0  # seconds since the last unanswered ping (sent every 30 s) before it is dead
     max_unnegotiated: int = 32  # inbound streams of one connection waiting for protocol negotiation at once
     max_unnegotiated_total: int = 1024  # ... of every connection together, before each gets only a fair share
+    outbound: int = 64  # connections this node dials itself, on top of max_inbound (DHT queries, peers it chose)
 
 
 def conn_limits(settings: SwarmSettings) -> ConnLimits:
@@ -94,6 +95,14 @@ def conn_limits(settings: SwarmSettings) -> ConnLimits:
 
 
 # -- the rules -------------------------------------------------------------------------------------------------------
+
+
+def total_connections(limits: ConnLimits) -> int:
+    """py-libp2p's cap on all connections, inbound and outbound (its ``max_connections``, 300 by default, which its
+    own pruner also trimmed to 100 above): ``max_inbound`` plus room to dial, so ``--max-inbound`` is what binds (a
+    trainer feeding N samplers holds N inbound connections: bench/swarm_scale)."""
+    return limits.max_inbound + limits.outbound
+
 
 _V4_PREFIXES = (32, 24, 16)
 _V6_PREFIXES = (64, 48, 32)

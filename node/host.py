@@ -34,9 +34,10 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
-from node.connmgr import ConnLimits, ConnManager
+from node.connmgr import ConnLimits, ConnManager, total_connections
 from node.errors import UserError
 from node.libp2p import install as install_libp2p
+from node.libp2p.conns import library_limits, stop_library_dialler
 from node.private import PeerGate
 from node.reachability import Reachability, ReachOptions, is_relayed_addr
 from node.weights.gossip import Gossip, open_gossip
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 DIRECT_DIAL_TIMEOUT = 4.0  # seconds for a direct dial to a peer that also advertises a relay address
 
 
-def build_host(key_pair: KeyPair, psk: str | None = None) -> IHost:
+def build_host(key_pair: KeyPair, psk: str | None = None, limits: ConnLimits | None = None) -> IHost:
     install_libp2p()  # py-libp2p 0.8.1's fixes and its logs routed through ours: node/libp2p/patches.py PATCHES
     noise = NoiseTransport(key_pair, noise_privkey=create_x25519_key_pair().private_key)
     return new_host(
@@ -53,6 +54,7 @@ def build_host(key_pair: KeyPair, psk: str | None = None) -> IHost:
         sec_opt={NOISE_PROTOCOL_ID: noise},
         muxer_opt={YAMUX_PROTOCOL_ID: Yamux},
         psk=psk,
+        connection_config=library_limits(total_connections(limits or ConnLimits())),
     )
 
 
@@ -204,7 +206,7 @@ async def open_swarm(
     """A running host + DHT + gossip. ``psk`` makes the swarm private; ``allow`` admits only those peer ids;
     ``reach`` turns on reachability checks, relaying and hole punching (node/reachability.py); ``conns`` are the
     connection manager's limits (node/connmgr.py; its defaults when None)."""
-    host = build_host(key_pair, psk=psk)
+    host = build_host(key_pair, psk=psk, limits=conns)
     gate = PeerGate(allow)
     gate.install(host)
     manager = ConnManager(host, conns)
@@ -214,6 +216,7 @@ async def open_swarm(
     except Exception as exc:
         raise UserError(f"cannot listen on {listen}: {exc}") from None
     async with run:
+        await stop_library_dialler(host.get_network())  # discovery chooses whom to dial (node/libp2p/conns.py)
         dht = KadDHT(host, DHTMode.SERVER, max_peers_per_subnet=0)
         async with background_trio_service(dht), open_gossip(host) as gossip, manager.running():
             swarm = Swarm(host, dht, gossip, gate, reach, manager)

@@ -12,6 +12,11 @@
   streams still negotiating their protocol are counted, per connection and in all, and one the manager refuses
   is reset on arrival and reported (py-libp2p bounds concurrent negotiations only for QUIC; each waits up to
   10 s for a peer that never speaks).
+- ``library_limits``, ``stop_library_dialler``: py-libp2p's own connection manager, replaced by ours. Its
+  ``AutoConnector`` dials peerstore peers (every one the DHT ever named) until a node holds (low + high watermark)
+  / 2 = 200 connections: every node of a swarm under ~200 became connected to every other (bench/swarm_scale); its
+  ``ConnectionPruner`` closes connections above the high watermark (300) down to the low one (100), blind to the
+  peers we protect. Whom to dial is discovery's choice (node/discovery.py); whom to drop the manager's.
 - ``ping_state``: yamux's keepalive (a ping every 30 s, ``Yamux._measure_rtt_loop``) never acts on a missing
   pong; this reads when the last ping went out and whether it was answered.
 - ``is_inbound``, ``remote_ip``: a connection's direction and the IP of its transport's remote end.
@@ -27,6 +32,7 @@ from typing import Any, Protocol
 import trio
 from libp2p.abc import INetConn, INetStream, INetwork
 from libp2p.metrics.swarm import SwarmEvent
+from libp2p.network.config import ConnectionConfig
 from libp2p.network.swarm import Swarm
 from libp2p.peer.id import ID
 from libp2p.rcmgr import Direction
@@ -46,6 +52,21 @@ class Admission(Protocol):
     def release(self, ip: str | None) -> None: ...
 
     async def make_room(self) -> bool: ...  # close a connection so a slot frees up; False: none may go
+
+
+def library_limits(max_connections: int) -> ConnectionConfig:
+    """py-libp2p's connection config: ``max_connections`` in all; its pruner's trigger (the high watermark) at that
+    same cap, so it never acts (no connection is over it); its dialler's floor at zero."""
+    return ConnectionConfig(
+        max_connections=max_connections, high_watermark=max_connections, low_watermark=0, min_connections=0
+    )
+
+
+async def stop_library_dialler(network: INetwork) -> None:
+    """Stop py-libp2p's ``AutoConnector`` (started with the swarm; once stopped, its periodic and on-disconnect
+    triggers return at once)."""
+    swarm: Any = network
+    await swarm.auto_connector.stop()
 
 
 def attach_admission(network: INetwork, admission: Admission, max_inbound: int) -> None:
