@@ -46,6 +46,14 @@ request round trip precedes them; each receiver relays the chunks the origin gav
 
 A receiver takes a chunk only of a version it chases, checked against its blake3 (a bad one is a strike), and
 only from the origin or from the peer the origin's plan names for that chunk: every other push is refused unread.
+
+Encodings a node receives (``RECEIVED_ENCODINGS``): the trainer may publish each version in several encodings, each
+its own signed manifest and chain (anchors, patches). A sampler says which one it runs with the optional
+``encoding`` field (text, at most ``MAX_ENCODING_NAME`` characters, one of ``RECEIVED_ENCODINGS``) of its
+``get_manifest`` requests for the newest version: the trainer answers the newest manifest in that encoding (the
+newest ``native`` one until it has published one), and publishes that encoding while a connected sampler asks for
+it (node/weights/encodings.py). It is a choice of what to receive, nothing else: no limit or trust depends on it.
+An ``announce`` may carry its manifest's ``encoding`` too, so that nodes skip versions they do not run unfetched.
 """
 
 from __future__ import annotations
@@ -88,6 +96,9 @@ MAX_PUSH_FRAME = MAX_MANIFEST_BODY + MAX_PUSH_BYTES + (1 << 17)  # the manifest,
 MAX_PUSH_REPLY = 1 << 10
 PUSH_CONTAINERS = 2 * MAX_PUSH_CHUNKS + 16
 INDEX_GAPS, INDEX_BITMAP = 0, 1
+DEFAULT_ENCODING = "native"  # what every sampler can run and the trainer always publishes
+RECEIVED_ENCODINGS = ("native", "int8-grid")  # what a sampler may ask for (the trainer publishes no other)
+MAX_ENCODING_NAME = 16
 
 
 @dataclass(frozen=True)
@@ -350,9 +361,24 @@ class SignedManifest:
 
 
 # -- requests (one request, one reply per stream) -------------------------------------------------------
-def get_manifest(manifest_id: bytes | None) -> dict[str, Any]:
-    """Ask for a manifest by id, or (None) for the newest one the peer holds."""
-    return {"v": WIRE_VERSION, "t": "get_manifest", "id": manifest_id or b""}
+def get_manifest(manifest_id: bytes | None, encoding: str | None = None) -> dict[str, Any]:
+    """Ask for a manifest by id, or (None) for the newest one the peer holds, in ``encoding`` if given (the one the
+    asking sampler runs)."""
+    out: dict[str, Any] = {"v": WIRE_VERSION, "t": "get_manifest", "id": manifest_id or b""}
+    if encoding is not None:
+        out["encoding"] = encoding
+    return out
+
+
+def parse_encoding(m: dict[str, Any], allowed: tuple[str, ...] = RECEIVED_ENCODINGS) -> str | None:
+    """The optional ``encoding`` a message names (None: none named); one outside ``allowed`` is an error (a
+    request may name ``RECEIVED_ENCODINGS``, an announcement any manifest's ``ENCODINGS``)."""
+    if "encoding" not in m:
+        return None
+    encoding = s.text(m, "encoding", MAX_ENCODING_NAME)
+    if encoding not in allowed:
+        raise s.SchemaError(f"unknown encoding {encoding!r} (known: {', '.join(allowed)})")
+    return encoding
 
 
 def get_chunks(hashes: list[bytes], manifest_id: bytes | None = None) -> dict[str, Any]:
@@ -438,8 +464,11 @@ def parse_have(m: dict[str, Any], n_chunks: int | None = None) -> tuple[bytes, b
 
 
 # -- gossip -----------------------------------------------------------------------------------------------
-def announce(version: int, manifest_id: bytes) -> dict[str, Any]:
-    return {"v": WIRE_VERSION, "t": "announce", "version": version, "id": manifest_id}
+def announce(version: int, manifest_id: bytes, encoding: str | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"v": WIRE_VERSION, "t": "announce", "version": version, "id": manifest_id}
+    if encoding is not None:
+        out["encoding"] = encoding
+    return out
 
 
 def parse_announce(m: dict[str, Any]) -> tuple[int, bytes]:

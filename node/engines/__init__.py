@@ -10,7 +10,16 @@ from pathlib import Path
 from node.engines.base import Engine, Generation, NotUpdatable
 from node.errors import UserError
 
-__all__ = ["Engine", "Generation", "NotUpdatable", "auto_engine", "engine_factory", "install", "make_engine"]
+__all__ = [
+    "Engine",
+    "Generation",
+    "NotUpdatable",
+    "auto_engine",
+    "engine_factory",
+    "install",
+    "make_engine",
+    "weights_encoding",
+]
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +36,14 @@ def auto_engine(platform: str = sys.platform) -> str:
     """The fastest engine on this platform, as measured by bench/sampler.py: MLX on a Mac (Metal, int8 pays
     there), torch elsewhere (on Linux CPU the mlx-cpu wheel's reference BLAS makes MLX ~3x slower than torch)."""
     return "mlx" if platform == "darwin" and mlx_available() else "torch"
+
+
+def weights_encoding(engine: str, bits: str, compute: str = "auto", platform: str = sys.platform) -> str:
+    """The weights encoding an engine runs best from: ``int8-grid`` (node/weights/grid.py: MLX's own 8-bit group
+    codes, loaded as they are, patched code by code) for an MLX engine with 8-bit weights computing in bf16 or fp32
+    (fp16 cannot hold a bf16 scale exactly); ``native`` (bf16) for every other."""
+    name = auto_engine(platform) if engine == "auto" else engine
+    return "int8-grid" if name == "mlx" and bits == "8" and compute in ("auto", "bf16", "fp32") else "native"
 
 
 def make_engine(name: str, model_dir: Path, bits: int | None = 8, version: int = 0, compute: str = "auto") -> Engine:

@@ -7,6 +7,10 @@ and a ``BatchKVCache`` (left-padded prefill, finished rows filtered out of the c
 with its logprob; logprobs are log_softmax(logits / T), before top-p.
 MLX streams belong to the thread that made them, so all of this engine's MLX work runs on one
 dedicated thread of its own, whichever thread (event loop or trio worker) calls it.
+
+An int8-grid version (node/weights/grid.py) holds MLX's own 8-bit group codes, scales and biases: an engine with
+8-bit weights loads them as they are (the bytes that were hashed and signed; scales widened exactly to fp32 when it
+computes in fp32), never re-quantizing; a patch reloads only the tensors it changed.
 """
 
 from __future__ import annotations
@@ -18,11 +22,12 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import BatchKVCache
-from mlx_lm.utils import load_model
+from mlx_lm.utils import _get_classes, load_config, load_model
 
 from node.engines.base import Generation, NotUpdatable
 from node.engines.worker import ComputeThread
 from node.errors import UserError
+from node.weights.grid import GROUP, is_grid_file, mlx_tensors
 from protocols.draw import draw_uniforms
 from trainer.model_dir import inspect_model_dir
 
@@ -66,6 +71,10 @@ class MlxEngine:
         self.quant = QUANT_NAMES[bits]
         self.eos_ids = info.eos_ids
         overrides = {"rope_theta": info.rope_theta} if info.rope_theta is not None else {}
+        if self._grid(Path(model_dir)):
+            self._init_grid(Path(model_dir), overrides, compute)
+            self.version = version
+            return
         try:
             self.model, _ = load_model(Path(model_dir), model_config=overrides)
         except Exception as exc:
@@ -80,6 +89,59 @@ class MlxEngine:
             nn.quantize(self.model, group_size=group_size, bits=bits)
         self.version = version
 
+    def _grid(self, model_dir: Path) -> bool:
+        """Whether ``model_dir`` holds an int8-grid version (which only an 8-bit, group-64 engine runs)."""
+        path = model_dir / "model.safetensors"
+        if not path.exists() or not is_grid_file(path):
+            return False
+        if self.bits != 8 or self.group_size != GROUP:
+            raise UserError(f"{model_dir} is an int8-grid version: it runs on 8-bit weights in groups of {GROUP}")
+        return True
+
+    def _init_grid(self, model_dir: Path, overrides: dict, compute: str) -> None:
+        """The model built from its config, quantized where the grid file holds codes, then the file loaded."""
+        path = model_dir / "model.safetensors"
+        tensors = self._layout(path)
+        floats = [d for n, d in tensors.items() if d in MX_DTYPES and not n.endswith((".scales", ".biases"))]
+        self.dtype = COMPUTE_DTYPES[compute] if compute != "auto" else MX_DTYPES[floats[0] if floats else "BF16"]
+        if self.dtype not in (mx.bfloat16, mx.float32):
+            raise UserError(f"{model_dir}: an int8-grid version runs in bf16 or fp32, not {self.dtype}")
+        self.compute = COMPUTE_NAMES[self.dtype]
+        try:
+            config = load_config(model_dir)
+            config.update(overrides)
+            model_class, args_class = _get_classes(config)
+            self.model = model_class(args_class.from_dict(config))
+        except Exception as exc:
+            raise UserError(f"mlx-lm could not build the model of {model_dir}: {exc}") from None
+        self.model.set_dtype(self.dtype)
+        nn.quantize(
+            self.model,
+            group_size=self.group_size,
+            bits=self.bits,
+            class_predicate=lambda p, m: hasattr(m, "to_quantized") and f"{p}.scales" in tensors,
+        )
+        self._load_grid(path)
+
+    @staticmethod
+    def _layout(path: Path) -> dict[str, str]:
+        from protocols.weights_file import read_layout
+
+        return {t.name: t.dtype for t in read_layout(path)[1]}
+
+    def _load_grid(self, path: Path, names: set[str] | None = None) -> None:
+        """Load a grid file's tensors (``names`` only, if given) as they are: codes as MLX's packed weight, scales
+        and biases bf16 (widened exactly if the engine computes in fp32), other floats in the compute dtype."""
+        out: list[tuple[str, mx.array]] = []
+        for name, dtype, values in mlx_tensors(path, names):
+            a = to_mx(values, dtype)
+            out.append((name, a.astype(self.dtype) if mx.issubdtype(a.dtype, mx.floating) else a))
+        try:
+            self.model.load_weights(out, strict=names is None)
+        except ValueError as exc:
+            raise UserError(f"the int8-grid weights in {path} do not fit the running model: {exc}") from None
+        mx.eval(self.model.parameters())
+
     def _quantized_paths(self) -> set[str]:
         return {
             name[: -len(".scales")] for name, _ in tree_flatten(self.model.parameters()) if name.endswith(".scales")
@@ -91,6 +153,10 @@ class MlxEngine:
         self._thread.call(self._swap, model_dir, version)
 
     def _swap(self, model_dir: Path, version: int) -> None:
+        if self._grid(Path(model_dir)):
+            self._load_grid(Path(model_dir) / "model.safetensors")
+            self.version = version
+            return
         weights: dict[str, mx.array] = {}
         for f in sorted(Path(model_dir).glob("*.safetensors")):
             weights.update(mx.load(str(f)))
@@ -125,6 +191,10 @@ class MlxEngine:
         path = model_dir / "model.safetensors"
         if not path.exists():
             raise NotUpdatable("no model.safetensors")
+        if self._grid(model_dir):  # the changed tensors reloaded whole: exact, and cheap next to a version
+            self._load_grid(path, set(changes.indices))
+            self.version = version
+            return
         tensors = map_tensors(path)
         params = dict(tree_flatten(self.model.parameters()))
         quantized = self._quantized_paths()

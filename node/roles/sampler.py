@@ -28,6 +28,7 @@ from node.weights.sync import WeightSync
 from protocols.draw import RULE as DRAW_RULE
 from protocols.errors import ProtocolError, RemoteError
 from protocols.rollouts import RolloutAck, RolloutGroup, Sample
+from protocols.weights import DEFAULT_ENCODING
 from protocols.work import SamplerReport, TaskSpec, WorkLease, WorkRequest
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,15 @@ class SamplerRole:
     swarm: Swarm
     weights: WeightSync
 
-    def __init__(self, config: NodeConfig, settings: Settings, engine_factory: Callable[[Path, int], Engine]) -> None:
+    def __init__(
+        self,
+        config: NodeConfig,
+        settings: Settings,
+        engine_factory: Callable[[Path, int], Engine],
+        encoding: str = DEFAULT_ENCODING,
+    ) -> None:
+        """``encoding``: the weights encoding this sampler receives (node/engines ``weights_encoding``: int8-grid
+        suits an MLX int8 engine; the default, bf16/native, suits every engine)."""
         if config.trainer_id is None:
             raise ValueError("a sampler needs the trusted trainer's peer id")
         self.config = config
@@ -77,6 +86,7 @@ class SamplerRole:
         self.swarm_name = config.swarm
         self.trainer_id: ID = config.trainer_id
         self.engine_factory = engine_factory
+        self.encoding = encoding
         self.engine: Engine | None = None
         self.engine_ready = trio.Event()
         self.store = ChunkStore(config.data_dir / "store")
@@ -106,6 +116,7 @@ class SamplerRole:
             self.install_version,
             self.weight_settings,
             peers=swarm.chunk_peers,  # chunks over direct connections; relays only as a last resort
+            encoding=self.encoding,
         )
 
     async def install_version(self, version: int, path: Path, changes: WeightChanges | None) -> None:

@@ -31,10 +31,12 @@ from node.roles.ranks import open_learner, watch_ranks
 from node.roles.trainer_rpc import serve_trainer
 from node.runlog import RunLog, StepMeter
 from node.settings import Settings
-from node.weights.outbox import Outbox
+from node.weights.encodings import Demand, DemandServer, EncodingPush
+from node.weights.grid import GRID_ENCODING
+from node.weights.outbox import Extra, Outbox
 from node.weights.publish import Publisher
-from node.weights.server import OriginPush, WeightServer
 from node.weights.store import ChunkStore
+from protocols.weights import DEFAULT_ENCODING
 from protocols.work import WorkRequest
 from trainer.memory import limit_malloc_arenas
 from trainer.tasks import load_task
@@ -70,7 +72,11 @@ class TrainerRole:
         # its own chunks go to peers that were leased work (the lease book remembers them) or had a group accepted;
         # all others share one small upload share (node/weights/policy.py, origin_serves_freely): a new sampler
         # fetches its first version from the swarm
-        self.weight_server = WeightServer(self.store, True, w.reserve_after, w.upload_per_peer, self.intake.known)
+        # which encodings connected samplers run (their manifest polls say): each version is published in those too
+        self.demand = Demand(lambda: self.swarm.host.get_connected_peers(), self.intake.strikes.is_banned)
+        self.weight_server = DemandServer(
+            self.demand, self.store, True, w.reserve_after, w.upload_per_peer, self.intake.known
+        )
         self.finished = trio.Event()
         self.runlog = RunLog(config.data_dir / "metrics.jsonl")
         self.meter = StepMeter(self.intake)
@@ -87,6 +93,11 @@ class TrainerRole:
         self.publisher = Publisher(
             self.store, key_pair, self.config.swarm, w.chunk_size, w.encoding, w.anchor_every, w.patch_max_fraction
         )
+        grid = Publisher(
+            self.store, key_pair, self.config.swarm, w.chunk_size, GRID_ENCODING, w.anchor_every,
+            w.patch_max_fraction, tag=GRID_ENCODING,
+        )  # fmt: skip
+        server, demand = self.weight_server, self.demand
         self.outbox = Outbox(
             self.publisher,
             lambda version, staging: self.learner.save_model_dir(staging, version),
@@ -94,7 +105,10 @@ class TrainerRole:
             self.config.swarm,
             keep=self.settings.max_staleness + 2,
             on_published=lambda version, _: self.view.trainer_version(version),
-            pusher=OriginPush(self.weight_server),  # a small version's first copies go out as it is announced
+            # a small version's first copies go out as it is announced, to the samplers that run its encoding
+            pusher=EncodingPush(server, DEFAULT_ENCODING, demand),
+            extras={GRID_ENCODING: Extra(grid, EncodingPush(server, GRID_ENCODING, demand))},
+            wanted=demand.wanted,
         )
         self.weight_server.register(swarm.host)
         swarm.conns.set_valued(self.intake.has_record)  # their connections are kept when slots run short

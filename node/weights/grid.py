@@ -292,17 +292,29 @@ def read_grid(path: Path) -> dict[str, np.ndarray]:
         return {t.name: elements(read_span(fh, t.offset, t.nbytes), t) for t in tensors}
 
 
-def mlx_tensors(path: Path) -> list[tuple[str, str, np.ndarray]]:
-    """A grid file's tensors as an MLX int8 model takes them (``load_weights``): (name, safetensors dtype, numpy
-    elements), codes as MLX's packed uint32 weight, BF16 as their bits (the caller views them as bfloat16). The
-    bytes are the file's own: what was hashed is what the sampler runs."""
+def is_grid_file(path: Path) -> bool:
+    """Whether a weights file is an int8-grid one (group codes with their scales), by its header alone."""
+    _head, tensors = read_layout(path)
+    dtypes = {t.name: t.dtype for t in tensors}
+    return any(
+        d == "U8" and n.endswith(".weight") and n[: -len(".weight")] + SCALES in dtypes for n, d in dtypes.items()
+    )
+
+
+def mlx_tensors(path: Path, names: set[str] | None = None) -> list[tuple[str, str, np.ndarray]]:
+    """A grid file's tensors (those in ``names``, if given) as an MLX int8 model takes them (``load_weights``):
+    (name, safetensors dtype, numpy elements), codes as MLX's packed uint32 weight, BF16 as their bits (the caller
+    views them as bfloat16). The bytes are the file's own: what was hashed is what the sampler runs."""
     _head, tensors = read_layout(path)
     dtypes = {t.name: t.dtype for t in tensors}
     out = []
-    for name, values in read_grid(path).items():
-        dtype = dtypes[name]
-        coded = dtype == "U8" and name.endswith(".weight") and name[: -len(".weight")] + SCALES in dtypes
-        out.append((name, "U32", mlx_weight(values)) if coded else (name, dtype, values))
+    with open(path, "rb") as fh:
+        for t in tensors:
+            if names is not None and t.name not in names:
+                continue
+            values = elements(read_span(fh, t.offset, t.nbytes), t)
+            coded = t.dtype == "U8" and t.name.endswith(".weight") and t.name[: -len(".weight")] + SCALES in dtypes
+            out.append((t.name, "U32", mlx_weight(values)) if coded else (t.name, t.dtype, values))
     return out
 
 

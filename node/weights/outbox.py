@@ -9,12 +9,19 @@ Given a ``pusher`` (the origin's push: node/weights/server.py, OriginPush), each
 samplers as it is announced, and the versions are cut into pieces sized for that (``policy.piece_size``: from the
 last patch's size, the whole version's and how many samplers a push reaches; kept while within
 ``policy.PIECE_HYSTERESIS``). While ``announce_forever`` runs, pushes run beside it and ``send`` does not wait for them.
+
+Other encodings (``extras``: node/weights/encodings.py): each version is also published, after the first encoding's
+announcement, in every other encoding ``wanted()`` names, from the same staged model dir (hard links), each by its
+own publisher into its own chain, announced (with its encoding) and pushed to the peers that run it. A failure there
+costs that encoding's version only.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+import os
+import shutil
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -66,6 +73,30 @@ class Pusher(Protocol):
     async def push(self, mid: bytes, signed: SignedManifest, manifest: Manifest) -> int: ...
 
 
+@dataclass
+class Extra:
+    """Another encoding of every version: its publisher (tagged: node/weights/publish.py), its pusher, and what it
+    announced last."""
+
+    publisher: Publisher
+    pusher: Pusher | None = None
+    published: tuple[int, bytes] | None = None
+    patch_bytes: int | None = None
+
+
+def link_model_dir(src: Path, dst: Path) -> None:
+    """``dst`` holds ``src``'s files as hard links (copies where links fail): publishers replace files, never write
+    through them, so one staged version feeds every encoding's publisher."""
+    shutil.rmtree(dst, ignore_errors=True)
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.is_file():
+            try:
+                os.link(f, dst / f.name)
+            except OSError:
+                shutil.copyfile(f, dst / f.name)
+
+
 class Outbox:
     """``stage(version, path)`` (blocking, run in a thread) writes a version's model dir where the publisher takes
     it; ``on_published(version, manifest)`` runs after each publish, before the announcement; ``keep`` is the store's
@@ -85,8 +116,12 @@ class Outbox:
         on_published: Callable[[int, Manifest], None] = lambda version, manifest: None,
         run_sync: Callable[..., Awaitable[Any]] = trio.to_thread.run_sync,
         pusher: Pusher | None = None,
+        extras: Mapping[str, Extra] | None = None,
+        wanted: Callable[[], Iterable[str]] = lambda: (),
     ) -> None:
+        """``extras``: other encodings by name, each published while ``wanted()`` names it."""
         self.publisher, self.stage, self.gossip, self.topic = publisher, stage, gossip, announce_topic(swarm_name)
+        self.extras, self.wanted = dict(extras or {}), wanted
         self.keep, self.on_published, self.run_sync = keep, on_published, run_sync
         self.published: tuple[int, bytes] | None = None  # (version, manifest id) announced last
         self.update_bytes = 0  # what the last version published costs to fetch (a patch's size, if it has one)
@@ -103,6 +138,10 @@ class Outbox:
         """Stage, publish and announce ``version``; then gc the store."""
         staging = self.publisher.staging_dir(version)
         await self.run_sync(self.stage, version, staging)
+        wanted = set(self.wanted())
+        extras = [(enc, x) for enc, x in self.extras.items() if enc in wanted]
+        for _enc, x in extras:
+            await self.run_sync(link_model_dir, staging, x.publisher.staging_dir(version))
         if self.pusher is not None:
             self.publisher.chunk_size = self.piece_size()
         mid, signed, manifest = await self.run_sync(self.publisher.publish, staging, version)
@@ -117,42 +156,70 @@ class Outbox:
             f"; patch {manifest.patch.size / 1e6:.2f} MB" if manifest.patch is not None else "",
         )
         self.on_published(version, manifest)
-        if self.pusher is not None and self._background is not None:
-            self._background.start_soon(self._push, mid, signed, manifest)
-            await self.announce()
-        elif self.pusher is not None:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._push, mid, signed, manifest)
-                await self.announce()
-        else:
-            await self.announce()
+        await self._announce_and_push(self.pusher, mid, signed, manifest)
+        for enc, x in extras:
+            await self._send_extra(enc, x, version)
         if self.keep is not None:
             await self.run_sync(self.publisher.store.gc, self.keep)
         return manifest
 
+    async def _announce_and_push(
+        self, pusher: Pusher | None, mid: bytes, signed: SignedManifest, manifest: Manifest
+    ) -> None:
+        if pusher is not None and self._background is not None:
+            self._background.start_soon(self._push, pusher, mid, signed, manifest)
+            await self.announce()
+        elif pusher is not None:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._push, pusher, mid, signed, manifest)
+                await self.announce()
+        else:
+            await self.announce()
+
+    async def _send_extra(self, encoding: str, x: Extra, version: int) -> None:
+        """Publish ``version`` (staged for ``x`` already) in another encoding, announce and push it."""
+        try:
+            if x.pusher is not None:
+                x.publisher.chunk_size = self._piece_size(x.publisher, x.pusher, x.patch_bytes)
+            mid, signed, manifest = await self.run_sync(x.publisher.publish, x.publisher.staging_dir(version), version)
+        except Exception as exc:  # this encoding's samplers wait for the next version; the others have theirs
+            log.warning("publishing version %d as %s failed: %s: %s", version, encoding, type(exc).__name__, exc)
+            return
+        if manifest.patch is not None:
+            x.patch_bytes = manifest.patch.size
+        x.published = (version, mid)
+        log.info("published version %d as %s (%.2f MB to fetch)", version, encoding, manifest.update_size / 1e6)
+        await self._announce_and_push(x.pusher, mid, signed, manifest)
+
     def piece_size(self) -> int:
         """The chunk size the next version is cut with (``policy.piece_size``, kept within its hysteresis)."""
         assert self.pusher is not None
-        stats = self.publisher.last_stats
-        if self.patch_bytes is None or stats is None:
-            return self.publisher.chunk_size  # no patch seen yet: nothing to size pieces by
-        proposed = policy.piece_size(self.patch_bytes, self.pusher.audience(), stats.full_bytes, self.max_chunk)
-        return policy.keep_piece_size(self.publisher.chunk_size, proposed)
+        return self._piece_size(self.publisher, self.pusher, self.patch_bytes)
 
-    async def _push(self, mid: bytes, signed: SignedManifest, manifest: Manifest) -> None:
-        assert self.pusher is not None
+    def _piece_size(self, publisher: Publisher, pusher: Pusher, patch_bytes: int | None) -> int:
+        stats = publisher.last_stats
+        if patch_bytes is None or stats is None:
+            return publisher.chunk_size  # no patch seen yet: nothing to size pieces by
+        proposed = policy.piece_size(patch_bytes, pusher.audience(), stats.full_bytes, self.max_chunk)
+        return policy.keep_piece_size(publisher.chunk_size, proposed)
+
+    async def _push(self, pusher: Pusher, mid: bytes, signed: SignedManifest, manifest: Manifest) -> None:
         try:
-            self.pushed += await self.pusher.push(mid, signed, manifest)
+            self.pushed += await pusher.push(mid, signed, manifest)
         except Exception as exc:  # a push only saves round trips: the version is announced and served anyway
             log.warning("pushing version %d failed: %s: %s", manifest.version, type(exc).__name__, exc)
 
     async def announce(self) -> None:
-        if self.published is not None:
-            version, mid = self.published
-            try:
-                await self.gossip.publish(self.topic, weights_proto.announce(version, mid))
-            except Exception as exc:
-                log.debug("announce failed: %s", exc)
+        """Announce the newest version of each encoding (with its encoding named, where the publisher says it)."""
+        heads = [(getattr(self.publisher, "encoding", None), self.published)]
+        heads += [(enc, x.published) for enc, x in self.extras.items()]
+        for encoding, published in heads:
+            if published is not None:
+                version, mid = published
+                try:
+                    await self.gossip.publish(self.topic, weights_proto.announce(version, mid, encoding))
+                except Exception as exc:
+                    log.debug("announce failed: %s", exc)
 
     async def announce_forever(self, interval: float) -> None:
         """Announce the latest version again every ``interval`` seconds: nodes that join late, or missed it, hear.

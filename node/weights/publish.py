@@ -74,7 +74,10 @@ class Publisher:
         patch_max_fraction: float = 0.0,
         patch_codec: str = "zlib",
         grid_rule: GridRule | None = None,
+        tag: str = "",
     ) -> None:
+        """``tag``: a second publisher beside the trainer's first (another encoding of the same versions) keeps its
+        staging dirs and published files under names of its own."""
         self.store = store
         self.key_pair = key_pair
         self.swarm_name = swarm_name
@@ -85,7 +88,8 @@ class Publisher:
         self.patch_codec = patch_codec
         self.grid_rule = grid_rule or GridRule()
         self.last_version = -1
-        self.links = store.root / "published"
+        self.tag = tag
+        self.links = store.root / (f"published-{tag}" if tag else "published")
         self._parent: Parent | None = None
         self.last_stats: PublishStats | None = None
         self._next_patch_try = 0  # versions before this one skip the diff (after patches over the budget)
@@ -97,14 +101,14 @@ class Publisher:
 
     def staging_dir(self, version: int) -> Path:
         """Where the learner writes the model directory of ``version`` for ``publish`` to take."""
-        return self.store.root / f"publish-v{version}"
+        return self.store.root / (f"publish-{self.tag}-v{version}" if self.tag else f"publish-v{version}")
 
     def parent(self) -> Parent | None:
         """The last published version with its weights file, if that file still holds exactly its bits (checked
         once against its manifest's hashes after a restart)."""
         if self._parent is not None or not self.patches:
             return self._parent
-        latest = self.store.latest()
+        latest = self.store.latest(self.encoding)
         if latest is None:
             return None
         mid, _, manifest = latest

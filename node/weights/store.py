@@ -27,7 +27,7 @@ from node.weights.manifest import WEIGHTS_FILE, cut_ranges, weights_boundaries
 from node.weights.patch import PatchError, TensorMismatch, WeightChanges, apply_patch
 from protocols.errors import ProtocolError
 from protocols.framing import unpack
-from protocols.weights import MAX_MANIFEST_BODY, Manifest, SignedManifest
+from protocols.weights import ENCODINGS, MAX_MANIFEST_BODY, Manifest, SignedManifest
 
 log = logging.getLogger(__name__)
 
@@ -144,12 +144,17 @@ class ChunkStore:
         """Every manifest held, newest version first."""
         return sorted(((mid, m) for mid, (_, m) in self._manifests.items()), key=lambda x: -x[1].version)
 
-    def latest(self) -> tuple[bytes, SignedManifest, Manifest] | None:
-        """The newest version held (all chunks of one of its routes are here)."""
-        complete = [(m.version, mid) for mid, (_, m) in self._manifests.items() if self.complete(m)]
+    def latest(self, encoding: str | None = None) -> tuple[bytes, SignedManifest, Manifest] | None:
+        """The newest version held (all chunks of one of its routes are here), in ``encoding`` if given; of a version
+        held in several encodings, the most widely runnable (the first in ``ENCODINGS``: native before int8-grid)."""
+        complete = [
+            (m.version, -ENCODINGS.index(m.encoding), mid)
+            for mid, (_, m) in self._manifests.items()
+            if (encoding is None or m.encoding == encoding) and self.complete(m)
+        ]
         if not complete:
             return None
-        mid = max(complete)[1]
+        mid = max(complete)[2]
         signed, m = self._manifests[mid]
         return mid, signed, m
 
@@ -180,9 +185,18 @@ class ChunkStore:
 
     # -- model dirs --------------------------------------------------------------------------------------
     def built(self, manifest: Manifest) -> Path | None:
-        """The version's model dir, if it was built here."""
+        """The version's model dir, if it was built here (in the manifest's encoding)."""
         out = self.versions_dir / f"v{manifest.version}"
-        return out if (out / ".complete").exists() else None
+        return out if self._built_encoding(out) in ("", manifest.encoding) else None
+
+    @staticmethod
+    def _built_encoding(out: Path) -> str | None:
+        """The encoding a model dir was built in ("": a dir from before encodings were recorded), None if unbuilt."""
+        try:
+            words = (out / ".complete").read_text().split()
+        except FileNotFoundError:
+            return None
+        return words[1] if len(words) > 1 else ""
 
     def unbuild(self, version: int) -> None:
         """Forget a built model dir (its bits are suspect: a patch made against them did not verify)."""
@@ -200,7 +214,7 @@ class ChunkStore:
 
     def _finish(self, manifest: Manifest, tmp: Path) -> Path:
         out = self.versions_dir / f"v{manifest.version}"
-        (tmp / ".complete").write_text(str(manifest.version))
+        (tmp / ".complete").write_text(f"{manifest.version} {manifest.encoding}")
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)
         return out
@@ -298,8 +312,13 @@ class ChunkStore:
         the newest version: the anchor's full route and every patch after it); drop other manifests, every
         model dir but those of the newest ``keep`` held versions, and unreferenced chunks. (Counting incomplete
         versions against ``keep`` would let a burst of announcements delete the only version a restarted node
-        could start from.)"""
+        could start from.) Each encoding's versions are a chain of their own, kept by these rules apart."""
         by_version = self.manifests()
+        for encoding in {m.encoding for _, m in by_version}:
+            self._gc_chain([(mid, m) for mid, m in by_version if m.encoding == encoding], keep)
+        return self._drop_unreferenced()
+
+    def _gc_chain(self, by_version: list[tuple[bytes, Manifest]], keep: int) -> None:
         complete = [mid for mid, m in by_version if self.complete(m)]
         newest_complete = self._manifests[complete[0]][1].version if complete else -1
         arriving = [mid for mid, m in by_version if m.version > newest_complete]
@@ -308,12 +327,17 @@ class ChunkStore:
         for mid, m in by_version:
             if mid in kept:
                 if mid not in window and mid not in arriving:
-                    shutil.rmtree(self.versions_dir / f"v{m.version}", ignore_errors=True)
+                    self._unbuild_if_ours(m)
                 continue
             (self.manifest_dir / f"{mid.hex()}.bin").unlink(missing_ok=True)
-            shutil.rmtree(self.versions_dir / f"v{m.version}", ignore_errors=True)
+            self._unbuild_if_ours(m)
             del self._manifests[mid]
-        return self._drop_unreferenced()
+
+    def _unbuild_if_ours(self, m: Manifest) -> None:
+        """Drop version ``m.version``'s model dir, unless it holds that version in another encoding."""
+        out = self.versions_dir / f"v{m.version}"
+        if self._built_encoding(out) in (None, m.encoding):
+            shutil.rmtree(out, ignore_errors=True)
 
     def _drop_unreferenced(self) -> int:
         referenced = {h for _, m in self._manifests.values() for h in m.all_chunks()}

@@ -16,6 +16,10 @@ stored. A pushed chunk is taken only for a version being chased, from the origin
 and only once its blake3 matches (a bad one is a strike); the download asks no one for a chunk a push is bringing
 until ``policy.push_wait`` has passed.
 
+A node runs one encoding (``encoding``: bf16/native, or int8-grid for an MLX int8 sampler). Polling the trainer for
+the newest version it names it (a node running the default names none), and it adopts versions in its own encoding,
+or in the default one until one in its own has come (node/weights/encodings.py, ``takes``).
+
 Which version to chase, when to give up on a download or an announcer, when to rebuild: node/weights/policy.py."""
 
 from __future__ import annotations
@@ -32,11 +36,12 @@ import trio
 from libp2p.peer.id import ID
 
 from node.host import Swarm
-from node.rpc import serve
+from node.rpc import request, serve
 from node.settings import WeightSettings
 from node.strikes import Strikes
 from node.weights import policy
 from node.weights.chain import Step, plan, plan_bytes
+from node.weights.encodings import news_floor, takes
 from node.weights.fetcher import Conduct, Download
 from node.weights.gossip import Gossip, announce_topic
 from node.weights.hashes import manifest_id
@@ -138,8 +143,10 @@ class WeightSync:
         on_version: OnVersion,
         settings: WeightSettings | None = None,
         peers: Callable[[], list[ID]] | None = None,
+        encoding: str = w.DEFAULT_ENCODING,
     ) -> None:
-        """``peers``: whom to ask for chunks and manifests (default: every connected peer)."""
+        """``peers``: whom to ask for chunks and manifests (default: every connected peer); ``encoding``: the one
+        this node's engine runs (protocols/weights.py, ``RECEIVED_ENCODINGS``)."""
         settings = settings or WeightSettings()
         self.swarm = swarm
         self.client = WeightsClient(swarm.host)
@@ -150,6 +157,8 @@ class WeightSync:
         self.trainer_id = trainer_id
         self.on_version = on_version
         self.settings = settings
+        self.encoding = encoding
+        self.has_own = False  # a version in this node's own encoding has been adopted: the default one no longer is
         self._cancelled_in_a_row = 0
         self.strikes = Strikes(limit=2)  # corrupt chunks and forged manifests: two and a peer is never asked again
         self.conduct = Conduct(self.strikes)  # peers' standing as chunk sources, across versions (fetcher.py)
@@ -223,7 +232,10 @@ class WeightSync:
         """Handle each announcement in its own task (a peer that never answers must not hold up the others), at
         most a few at once; versions not newer than what we hold or chase are ignored, each manifest id once."""
         version, mid = w.parse_announce(message)
-        target = self.target[0] if self.target is not None else None
+        encoding = w.parse_encoding(message, w.ENCODINGS)
+        if encoding is not None and not takes(encoding, self.encoding, self.has_own):
+            return  # a version in an encoding this node does not run: not even its manifest is fetched
+        target = self._floor(encoding)
         banned = self.strikes.is_banned(sender)
         if not policy.take_announcement(version, mid, self.current, target, self._pending_ids, banned):
             return
@@ -269,13 +281,26 @@ class WeightSync:
             mid = manifest_id(signed)
         else:
             signed, manifest = known
-        if policy.is_news(manifest.version, self.current, self.target[0] if self.target is not None else None):
+        if not self.takes(manifest):
+            return True  # a good manifest, of an encoding this node does not run
+        if policy.is_news(manifest.version, self.current, self._floor(manifest.encoding)):
             self._adopt(signed, manifest, mid)
         return True
+
+    def _floor(self, encoding: str | None) -> int | None:
+        """The version a manifest in ``encoding`` must be newer than to become the target (``news_floor``)."""
+        if self.target is None:
+            return None
+        return news_floor((self.target[0], self.target[2].encoding), encoding or "", self.encoding)
+
+    def takes(self, manifest: w.Manifest) -> bool:
+        """Whether this node runs versions in ``manifest``'s encoding (now)."""
+        return takes(manifest.encoding, self.encoding, self.has_own)
 
     def _adopt(self, signed: w.SignedManifest, manifest: w.Manifest, mid: bytes) -> None:
         """A verified manifest of a newer version: the new target."""
         self.store.add_manifest(signed, manifest)
+        self.has_own = self.has_own or manifest.encoding == self.encoding
         self.target = (manifest.version, mid, manifest)
         self.heard_at[manifest.version] = time.monotonic()
         log.info(
@@ -312,10 +337,12 @@ class WeightSync:
             except ForgedManifest:
                 self.forged_manifests += 1
                 raise
+            if not self.takes(manifest):
+                raise NotExpected(f"this node runs {self.encoding} versions, not {manifest.encoding}")
             if self._chasing(manifest):
                 if push.plan is not None:
                     self._take_plan(push.mid, manifest, push.plan)
-                if policy.is_news(manifest.version, self.current, self.target[0] if self.target else None):
+                if policy.is_news(manifest.version, self.current, self._floor(manifest.encoding)):
                     self._adopt(push.manifest, manifest, push.mid)
         state = self._push
         if not push.chunks:
@@ -439,9 +466,21 @@ class WeightSync:
     async def _request_manifest(
         self, peer: ID, mid: bytes | None, timeout: float
     ) -> tuple[w.SignedManifest, w.Manifest]:
-        """Manifest ``mid`` (None: the newest) from ``peer``, signed by the trusted trainer for this swarm, and the
-        one asked for (ForgedManifest otherwise: a replay of another manifest is a lie too)."""
-        signed = await self.client.manifest(peer, mid, timeout)
+        """Manifest ``mid`` (None: the newest, in this node's encoding) from ``peer``, signed by the trusted trainer
+        for this swarm, and the one asked for (ForgedManifest otherwise: a replay of another manifest is a lie too)."""
+        if mid is None and self.encoding != w.DEFAULT_ENCODING:
+            reply = await request(
+                self.swarm.host,
+                peer,
+                w.PROTOCOL_ID,
+                w.get_manifest(None, self.encoding),
+                max_request=w.MAX_REQUEST_FRAME,
+                max_reply=w.MAX_MANIFEST_BODY + 4096,
+                timeout=timeout,
+            )
+            signed = w.SignedManifest.from_wire(reply)
+        else:
+            signed = await self.client.manifest(peer, mid, timeout)
         manifest = verify_manifest(signed, self.trainer_id, self.swarm_name)
         if mid is not None and manifest_id(signed) != mid:
             raise ForgedManifest("asked for one manifest, answered with another (a replay?)")
@@ -491,9 +530,11 @@ class WeightSync:
         return path, changes
 
     async def _resume(self) -> None:
-        """Start from the newest version this store can build without fetching anything."""
-        for mid, m in self.store.manifests()[:8]:
-            if self.store.built(m) is None and not self.store.complete(m):
+        """Start from the newest version this store can build without fetching anything (in an encoding it runs)."""
+        held = self.store.manifests()
+        self.has_own = any(m.encoding == self.encoding and self.store.built(m) is not None for _, m in held)
+        for mid, m in held[:8]:
+            if not self.takes(m) or (self.store.built(m) is None and not self.store.complete(m)):
                 continue
             steps = await plan(self.store, mid, m)
             if steps is None or plan_bytes(steps) > 0:
@@ -589,7 +630,9 @@ class WeightSync:
         for v in [v for v in self.heard_at if v < manifest.version]:
             del self.heard_at[v]
         try:
-            await self.gossip.publish(announce_topic(self.swarm_name), w.announce(manifest.version, mid))
+            await self.gossip.publish(
+                announce_topic(self.swarm_name), w.announce(manifest.version, mid, manifest.encoding)
+            )
         except Exception as exc:
             log.debug("announce failed: %s", exc)
         await trio.to_thread.run_sync(self.store.gc, self.settings.keep_versions)

@@ -1,0 +1,116 @@
+"""Which encodings the trainer publishes each version in, and who gets which: a sampler names the encoding it runs
+in its ``get_manifest`` polls (protocols/weights.py); the trainer publishes the default (bf16/native, which every
+sampler can run) always, and each other known encoding while a connected, not-banned peer asks for it.
+
+What a peer declares is a choice of what it receives, never a limit or a trust decision: a peer can make the trainer
+publish at most the known encodings (``RECEIVED_ENCODINGS``: bounded work), and the rollouts of every sampler are
+verified the same way whatever it declared. The rules are pure functions; ``Demand`` remembers the declarations
+(bounded), ``DemandServer`` hears them and answers each poll in the encoding asked for, and ``EncodingPush`` pushes a
+version's first copies only to the peers that run its encoding.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import Any
+
+from libp2p.peer.id import ID
+
+from node.weights.server import NotFound, OriginPush, WeightServer
+from protocols import weights as w
+
+MAX_DECLARED = 1 << 14  # peers whose declaration is remembered (the oldest forgotten first)
+
+
+# -- pure rules ----------------------------------------------------------------------------------------------------
+def encodings_to_publish(
+    declared: Mapping[str, str], connected: Collection[str], banned: Callable[[str], bool]
+) -> list[str]:
+    """The encodings to publish a version in besides the default: each known one some connected, not-banned peer
+    declared, in ``RECEIVED_ENCODINGS`` order (so never more than the known encodings, whatever peers say)."""
+    asked = {enc for peer, enc in declared.items() if peer in connected and not banned(peer)}
+    return [e for e in w.RECEIVED_ENCODINGS if e != w.DEFAULT_ENCODING and e in asked]
+
+
+def takes(offered: str, runs: str, has_own: bool) -> bool:
+    """Whether a sampler running encoding ``runs`` adopts a version in ``offered``: its own always; another one a
+    sampler may ask for (int8-grid, say) never; the trainer's first encoding (bf16/native, or int8 rowwise where the
+    trainer chose it: every engine runs it) always for a sampler running the default, else only until a version in
+    its own has come (a newcomer starts on it, before the trainer has heard it and published its encoding)."""
+    if offered == runs:
+        return True
+    if offered in w.RECEIVED_ENCODINGS and offered != w.DEFAULT_ENCODING:
+        return False
+    return runs == w.DEFAULT_ENCODING or not has_own
+
+
+def news_floor(target: tuple[int, str] | None, offered: str, runs: str) -> int | None:
+    """The version an offered one must be newer than, beside the one running: the target's, or one less when the
+    target is in another encoding and the offer in the node's own (a node on the default chain moves to its own as
+    soon as its own has the same version)."""
+    if target is None:
+        return None
+    version, encoding = target
+    return version - 1 if offered == runs and encoding != runs else version
+
+
+def push_encoding(declared: str | None) -> str:
+    """The encoding a peer gets pushed: the one it declared, or the default."""
+    return declared or w.DEFAULT_ENCODING
+
+
+# -- the trainer's side ---------------------------------------------------------------------------------------------
+class Demand:
+    """Each peer's latest declared encoding (at most ``MAX_DECLARED`` peers); ``wanted()``: what to publish now."""
+
+    def __init__(self, connected: Callable[[], Iterable[ID]], banned: Callable[[str], bool]) -> None:
+        self.connected = connected
+        self.banned = banned
+        self.declared: OrderedDict[str, str] = OrderedDict()
+
+    def heard(self, peer: ID, encoding: str) -> None:
+        key = str(peer)
+        self.declared.pop(key, None)
+        self.declared[key] = encoding
+        while len(self.declared) > MAX_DECLARED:
+            self.declared.popitem(last=False)
+
+    def encoding_of(self, peer: ID) -> str:
+        return push_encoding(self.declared.get(str(peer)))
+
+    def wanted(self) -> list[str]:
+        return encodings_to_publish(self.declared, {str(p) for p in self.connected()}, self.banned)
+
+
+class DemandServer(WeightServer):
+    """The trainer's weights server: a poll for the newest manifest that names an encoding is a declaration, answered
+    with the newest manifest in that encoding (the newest default one until there is one)."""
+
+    def __init__(self, demand: Demand, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.demand = demand
+
+    async def handle(self, message: dict[str, Any], remote: ID) -> dict[str, Any]:
+        if message.get("t") == "get_manifest" and "encoding" in message:
+            _kind, mid = w.parse_request(message)
+            encoding = w.parse_encoding(message)
+            if mid is None and encoding is not None:
+                self.demand.heard(remote, encoding)
+                latest = self.store.latest(encoding) or self.store.latest(w.DEFAULT_ENCODING)
+                if latest is None:
+                    raise NotFound("this peer holds no complete version yet")
+                return latest[1].to_wire()
+        return await super().handle(message, remote)
+
+
+class EncodingPush(OriginPush):
+    """The origin's push of one encoding's versions: only to the peers that run it."""
+
+    def __init__(self, server: WeightServer, encoding: str, demand: Demand) -> None:
+        super().__init__(server)
+        self.encoding = encoding
+        self.demand = demand
+
+    def targets(self) -> list[ID]:
+        return [p for p in super().targets() if self.demand.encoding_of(p) == self.encoding]
