@@ -134,7 +134,9 @@ def trainer_main(args: argparse.Namespace) -> None:
 
     root = Path(args.root)
     boot = multiaddr.Multiaddr((root / "boot.addr").read_text().strip())
-    cfg = node_config(root, "trainer", "trainer", bootstrap=(boot,), provide_interval=30.0, status_interval=10.0)
+    # a trainer feeding N samplers holds N inbound connections: its --max-inbound (250 by default) must cover them
+    cfg = node_config(root, "trainer", "trainer", bootstrap=(boot,), provide_interval=30.0, status_interval=10.0,
+                      max_inbound=max(250, args.count + 64))  # fmt: skip
     s = settings(trainer={**TRAINER, "newcomer_rate": args.newcomer_rate}, learner={"model_dir": Path(args.model)})
     role = TrainerRole(cfg, s)
     busy = {"refused": 0}
@@ -413,10 +415,15 @@ class Run:
                 [*py, *extra, "--root", str(root)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True
             )
 
-        spawn("boot", "boot")
-        self._wait_file(root / "boot.addr", 60)
-        spawn("trainer", "trainer", "--model", str(model), "--newcomer-rate", str(args.newcomer_rate))
-        self._wait_file(root / "trainer.json", 180)
+        try:  # a loaded machine (load average 18 on 2 cores seen here) takes minutes to start a process
+            spawn("boot", "boot")
+            self._wait_file(root / "boot.addr", 300)
+            rate = str(args.newcomer_rate)
+            spawn("trainer", "trainer", "--model", str(model), "--newcomer-rate", rate, "--count", str(n))
+            self._wait_file(root / "trainer.json", 300)
+        except BaseException:
+            self.stop()
+            raise
         k = max(1, -(-n // per_proc))
         for p in range(k):
             first, count = p * n // k, (p + 1) * n // k - p * n // k
@@ -618,8 +625,9 @@ def report_line(r: dict[str, Any]) -> str:
         f"cores, {r['trainer_cpu_per_group'] * 1e3:.1f} ms CPU/group, verify {r['verify_per_s']:.2f} s/s, "
         f"lag p50/p99/max {r['lag_p50_ms']:.0f}/{r['lag_p99_ms']:.0f}/{r['lag_max_ms']:.0f} ms, "
         f"{r['trainer_connections']} conns, RSS {r['trainer_rss_mb']:.0f} MB | samplers {r['sampler_cores']:.2f} "
-        f"cores ({r['sampler_cpu_per_group'] * 1e3:.0f} ms CPU/group), machine busy {r['machine_busy']:.2f}/"
-        f"{r['cores']} cores | version heard 50/99% {r['announce_50_s']:.1f}/{r['announce_99_s']:.1f} s, "
+        f"cores ({r['sampler_cpu_per_group'] * 1e3:.0f} ms CPU/group), loop lag p99 {r['sampler_lag_p99_ms']:.0f} ms; "
+        f"machine busy {r['machine_busy']:.2f}/{r['cores']} cores, this swarm's share {r['swarm_cores']:.2f} "
+        f"| version heard 50/99% {r['announce_50_s']:.1f}/{r['announce_99_s']:.1f} s, "
         f"installed 50/99% {r['install_50_s']:.1f}/{r['install_99_s']:.1f} s | DHT find trainer "
         f"{med(r['dht_find_trainer_s']):.2f} s, samplers {med(r['dht_find_sampler_s']):.2f} s | join->trainer "
         f"p50/p99 {pct(r['join_to_trainer_s'], 0.5):.1f}/{pct(r['join_to_trainer_s'], 0.99):.1f} s | leases busy "
