@@ -7,6 +7,13 @@ publish at most the known encodings (``RECEIVED_ENCODINGS``: bounded work), and 
 verified the same way whatever it declared. The rules are pure functions; ``Demand`` remembers the declarations
 (bounded), ``DemandServer`` hears them and answers each poll in the encoding asked for, and ``EncodingPush`` pushes a
 version's first copies only to the peers that run its encoding.
+
+What the trainer verifies an int8-grid sampler's rollouts against: the version as the learner published it (bf16),
+as for every sampler, not the dequantized grid. One scoring model per version serves every encoding, and the grid's
+distance from it is bounded by the re-grid rule (node/weights/grid.py: at most half a step inside a group's range,
+a step at most 1.25x a fresh grid's), the same order as the rounding MLX's own int8 adds: the sampler declares q8
+and is held to q8's measured limits. bench/draws_grid.py measures that this holds after 50 versions of grids frozen
+at their anchor (bench/results/draws.txt).
 """
 
 from __future__ import annotations
