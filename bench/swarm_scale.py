@@ -616,8 +616,14 @@ def one_n(n: int, args: argparse.Namespace, model: Path) -> dict[str, Any]:
 
 
 def report_line(r: dict[str, Any]) -> str:
-    def med(xs: list[float]) -> float:
+    def med(xs: list[float] | dict[str, float]) -> float:
+        if isinstance(xs, dict):  # a result read back from the results file: summarised there
+            return xs["p50"]
         return statistics.median(xs) if xs else float("nan")
+
+    def join(key: str, q: float) -> float:
+        xs = r["join_to_trainer_s"]
+        return xs[f"p{int(q * 100)}"] if isinstance(xs, dict) else pct(xs, q)
 
     return (
         f"N={r['n']:5d} ({r['procs']} sampler procs): {r['groups_per_s']:6.2f} groups/s accepted "
@@ -630,14 +636,91 @@ def report_line(r: dict[str, Any]) -> str:
         f"| version heard 50/99% {r['announce_50_s']:.1f}/{r['announce_99_s']:.1f} s, "
         f"installed 50/99% {r['install_50_s']:.1f}/{r['install_99_s']:.1f} s | DHT find trainer "
         f"{med(r['dht_find_trainer_s']):.2f} s, samplers {med(r['dht_find_sampler_s']):.2f} s | join->trainer "
-        f"p50/p99 {pct(r['join_to_trainer_s'], 0.5):.1f}/{pct(r['join_to_trainer_s'], 0.99):.1f} s | leases busy "
+        f"p50/p99 {join('join_to_trainer_s', 0.5):.1f}/{join('join_to_trainer_s', 0.99):.1f} s | leases busy "
         f"{r['leases_busy']} of {r['leases_busy'] + r['leases_issued']}, rate-limited {r['rate_limited']}, "
         f"rejected {r['rejected']}, forged {r['forged']}, strikes {r['strikes']} | dead {r['dead']} "
         f"join errors {r['join_errors']} errors {r['errors'][:3]}"
     )
 
 
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least squares y = a + b x."""
+    n, mx, my = len(xs), statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if n > 1 and sxx > 0 else 0.0
+    return my - b * mx, b
+
+
+def fit_two(x1: list[float], x2: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least squares y = p x1 + q x2 (no intercept)."""
+    a11, a12, a22 = (sum(u * v for u, v in zip(p, q, strict=True)) for p, q in ((x1, x1), (x1, x2), (x2, x2)))
+    b1, b2 = sum(u * y for u, y in zip(x1, ys, strict=True)), sum(u * y for u, y in zip(x2, ys, strict=True))
+    det = a11 * a22 - a12 * a12
+    return ((b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det) if det else (float("nan"), float("nan"))
+
+
+def saturation(x1: float, a: float, b: float, cores: float) -> float:
+    """The N where N samplers' supply (x1 groups/s each) meets what ``cores`` can process at a + b N CPU-seconds
+    per group: x1 b N^2 + x1 a N - cores = 0."""
+    if b <= 0:
+        return cores / (x1 * a)
+    return (-x1 * a + (x1 * x1 * a * a + 4 * x1 * b * cores) ** 0.5) / (2 * x1 * b)
+
+
+def capacity_check(results: list[dict[str, Any]]) -> list[str]:
+    """The model of docs/capacity.md section 6 fitted to these runs, and its predictions against the measurements."""
+    ok = [r for r in results if r["groups_per_s"] > 0]
+    if len(ok) < 3:
+        return ["capacity check: fewer than 3 N with accepted groups"]
+    ns = [float(r["n"]) for r in ok]
+    xs = [r["groups_per_s"] for r in ok]
+    per_group = [(r["trainer_cores"] + r["sampler_cores"]) / r["groups_per_s"] for r in ok]
+    a, b = fit_line(ns, per_group)
+    x1 = xs[0] / ns[0]  # the smallest N: its samplers not short of CPU
+    cores = statistics.median(r["trainer_cores"] + r["sampler_cores"] for r in ok)
+    c_g, c_p = fit_two(xs, ns, [r["trainer_cores"] for r in ok])
+    r0, m_p = fit_line([float(r["trainer_connections"]) for r in ok], [r["trainer_rss_mb"] for r in ok])
+    best = max(ok, key=lambda r: r["groups_per_s"])
+    lines = [
+        "capacity check (docs/capacity.md, section 6): CPU-seconds per accepted group, trainer and samplers, "
+        f"c(N) = {a * 1e3:.1f} ms + {b * 1e3:.3f} ms x N; x_1 = {x1:.2f} groups/s per sampler (N={ns[0]:.0f}); "
+        f"the swarm's median CPU share C = {cores:.2f} cores",
+        f"trainer: {c_g * 1e3:.1f} ms CPU per group + {c_p * 1e3:.2f} ms CPU/s per connected peer; RSS "
+        f"{r0:.0f} MB + {m_p * 1024:.0f} KB per connection",
+    ]
+    for i, (r, n, x) in enumerate(zip(ok, ns, xs, strict=True)):
+        c_here = r["trainer_cores"] + r["sampler_cores"]
+        a_o, b_o = fit_line(ns[:i] + ns[i + 1 :], per_group[:i] + per_group[i + 1 :])  # this N left out of the fit
+        pred = min(n * x1, c_here / (a_o + b_o * n))
+        lines.append(f"  N={n:4.0f}: measured {x:6.2f} groups/s, predicted min(N x_1, C_N / c(N)) = {pred:6.2f} "
+                     f"({pred / x:.2f}x; c(N) fitted without this N; C_N = {c_here:.2f} cores)")  # fmt: skip
+    n_sat = saturation(x1, a, b, cores)
+    lines.append(
+        f"  saturation: predicted N_sat = {n_sat:.1f} samplers at {n_sat * x1:.1f} groups/s; measured: throughput "
+        f"peaks at N={best['n']} ({best['groups_per_s']:.2f} groups/s)"
+    )
+    return lines
+
+
+def earlier_results(skip: set[int]) -> list[dict[str, Any]]:
+    """The per-N results already in bench/results/swarm_scale.txt, but for the N in ``skip`` (``--merge``: a loaded
+    box leaves only short quiet windows, so the N are measured in separate runs)."""
+    path = RESULTS / "swarm_scale.txt"
+    if not path.exists():
+        return []
+    lines = path.read_text().split("raw (per N):", 1)[-1].splitlines()
+    out = []
+    for line in lines:
+        if line.startswith("{"):
+            r = json.loads(line)
+            if r["n"] not in skip:
+                out.append({**r, "spread": [], "merged": True})
+    return out
+
+
 def write_results(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    if args.merge:
+        results = sorted(results + earlier_results({r["n"] for r in results}), key=lambda r: r["n"])
     RESULTS.mkdir(exist_ok=True)
     lines = [
         "bench/swarm_scale: one trainer, N real sampler hosts on loopback (K processes of N/K identities, one shared",
@@ -648,9 +731,13 @@ def write_results(results: list[dict[str, Any]], args: argparse.Namespace) -> No
         "",
     ]
     lines += [report_line(r) for r in results]
+    lines += ["", *capacity_check(results)]
     lines += ["", "raw (per N):"]
     for r in results:
         raw = {k: v for k, v in r.items() if k not in ("spread",)}
+        if r.get("merged"):
+            lines.append(json.dumps(raw, default=float))
+            continue
         raw["spread"] = [
             {
                 "version": s["version"],
@@ -718,6 +805,7 @@ def main() -> None:
     ap.add_argument("--join-seconds", type=float, default=30.0, help="each process starts its identities over this")
     ap.add_argument("--newcomer-rate", type=float, default=4.0, help="the trainer's newcomer budget (groups/s)")
     ap.add_argument("--no-write", action="store_true", help="print only (a smoke run)")
+    ap.add_argument("--merge", action="store_true", help="keep the other N's results already in the results file")
     args = ap.parse_args()
     if args.cmd is not None:
         from node.cli import setup_logging
