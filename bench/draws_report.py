@@ -43,6 +43,12 @@ MODE_OF = {
     # as the trainer does, the declared mode's class floored at it
     "wire8-fp32": Mode("mlx", "fp32", "none"),
     "wire8-q8-bf16": Mode("mlx", "bf16", "q8"),
+    # bench/draws_grid.py: MLX int8 samplers on int8-grid versions (grids frozen since the anchor) and, beside them,
+    # ones quantizing the same bf16 version afresh; both declare q8 and are checked with q8's limits
+    "grid-q8-bf16": Mode("mlx", "bf16", "q8"),
+    "fresh-q8-bf16": Mode("mlx", "bf16", "q8"),
+    "grid-q8-fp32": Mode("mlx", "fp32", "q8"),
+    "fresh-q8-fp32": Mode("mlx", "fp32", "q8"),
 }
 TRANSPORT = {"wire8-fp32": "wire8", "wire8-q8-bf16": "wire8"}
 
