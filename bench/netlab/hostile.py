@@ -27,6 +27,7 @@ spread so the trainer's per-address caps do not bind); without it every identity
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import struct
 from contextlib import suppress
@@ -57,14 +58,28 @@ from protocols.errors import RemoteError
 from protocols.rollouts import RolloutAck, RolloutGroup, Sample
 from protocols.work import WorkLease, WorkRequest
 
+log = logging.getLogger(__name__)
+
 
 async def find_trainer(swarm: Swarm, config: NodeConfig) -> PeerInfo:
-    """The trusted trainer's record in the DHT, looked up once a second until it is there."""
+    """The trusted trainer's record in the DHT, looked up once a second until it is there, narrowed to the first of
+    its addresses that answers: the attackers' fresh identities dial with py-libp2p's stock dial, which tries one
+    address only (docs/upstream/libp2p-dial-one-address.md), and a record an attacker held for minutes (booted early,
+    armed later) listed one that did not answer first."""
     key = role_key(config.swarm, "trainer")
     while True:
         for info in await find_role(swarm, key):
-            if info.peer_id == config.trainer_id:
-                return info
+            if info.peer_id != config.trainer_id:
+                continue
+            for addr in info.addrs:
+                try:
+                    with trio.fail_after(10):
+                        await swarm.host.get_network().dial_addr(addr, info.peer_id)
+                except Exception as exc:
+                    log.info("trainer not at %s: %s", addr, exc)
+                    continue
+                log.info("trainer at %s (its record: %s)", addr, [str(a) for a in info.addrs])
+                return PeerInfo(info.peer_id, [addr])
         await trio.sleep(1.0)
 
 
@@ -115,11 +130,18 @@ class CorruptSeeder:
 class Withholder(CorruptSeeder):
     """Claims everything, serves nothing, slowly."""
 
+    def armed(self) -> bool:
+        """Withholding now? (Armed(early=True) replaces this: honest until its arm file exists.)"""
+        return True
+
     def register(self, swarm: Swarm) -> None:
         super().register(swarm)
         self.held = 0
+        honest = WeightServer(self.store)
 
         async def withhold(message: dict[str, Any], remote: Any) -> dict[str, Any]:
+            if not self.armed():
+                return await honest.handle(message, remote)
             kind, arg = w.parse_request(message)
             if kind == "get_chunks":
                 self.held += 1
@@ -629,6 +651,30 @@ class RelayThief:
                 "probe": dict(self.probe)}  # fmt: skip
 
 
+class Armed:
+    """A hostile role that joins at once (process, host, bootstrap: the slow part on a busy box) and misbehaves only
+    once its arm file exists, so that a scenario can boot its attackers early and start each at its window.
+    ``early``: the role runs at once (a withholder syncs versions, which takes a minute, and serves honestly) and
+    asks ``role.armed()`` when to turn."""
+
+    def __init__(self, role: Any, arm_file: Path, early: bool = False) -> None:
+        self.role, self.arm_file, self.early = role, arm_file, early
+        self.name = role.name
+        if early:
+            role.armed = arm_file.exists
+
+    def register(self, swarm: Swarm) -> None:
+        self.role.register(swarm)
+
+    async def run(self, swarm: Swarm) -> None:
+        while not self.early and not self.arm_file.exists():
+            await trio.sleep(0.2)
+        await self.role.run(swarm)
+
+    def status(self) -> dict[str, Any]:
+        return {**self.role.status(), "armed": self.arm_file.exists()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument(
@@ -638,7 +684,7 @@ def main() -> None:
     p.add_argument("--config", type=Path, required=True)
     p.add_argument("--data-dir", type=Path, required=True)
     p.add_argument("--listen", required=True)
-    p.add_argument("--arm-file", type=Path, default=None, help="inject: sample nothing until this file exists")
+    p.add_argument("--arm-file", type=Path, default=None, help="misbehave only once this file exists")
     p.add_argument("--sources", default="", help="headers/idle/relay: comma-separated addresses to dial from")
     p.add_argument("--identities", type=int, default=0, help="headers (40) / idle (64): how many at once")
     p.add_argument("--rollout-frame", type=int, default=1 << 20, help="headers: the rollout frame size announced")
@@ -688,6 +734,8 @@ def main() -> None:
             role = RelayThief(config, sources[0] if sources else None)
         else:
             role = modes[args.mode](config)
+        if args.arm_file is not None:
+            role = Armed(role, args.arm_file, early=args.mode == "withhold")
     trio.run(run_node, config, role)
 
 
