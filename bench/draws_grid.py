@@ -170,7 +170,6 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--reuse", action="store_true", help="sample the versions trained by the last run again")
     args = p.parse_args()
-    from bench.draws_report import check_all
     from trainer.realistic_model import cached_realistic_model
 
     t0 = time.perf_counter()
@@ -180,14 +179,22 @@ def main() -> None:
         print(f"reusing {bf16} and {grid} ({(OUT / 'versions' / 'trained.txt').read_text().strip()})")
     else:
         bf16, grid = train_versions(cached_realistic_model(), args.lr, args.versions)
-    by_mode = measure(bf16, grid, args.modes.split(","), args.scale, args.threads)
+    by_mode: dict[str, list[Record]] = {}
+    for mode in args.modes.split(","):  # the results so far written after each mode
+        by_mode.update(measure(bf16, grid, [mode], args.scale, args.threads))
+        write(by_mode, args, time.perf_counter() - t0)
+
+
+def write(by_mode: dict[str, list[Record]], args: argparse.Namespace, seconds: float) -> None:
+    from bench.draws_report import check_all
+
     rows = {m: summary(r) for m, r in by_mode.items()}
     lines = [
         f"{SECTION}, {time.strftime('%Y-%m-%d')}): the realistic fixture after {args.versions} AdamW versions at lr "
         f"{args.lr:g}, each encoded on its parent's grid file (grids frozen since version 0, re-gridded by the rule); "
         "an MLX int8 engine built from the int8-grid model dir as a sampler installs it, against one that quantizes "
         "the bf16 version itself (fresh grid), same version, same seeds; the trainer replays from the bf16 version "
-        f"(float64). {time.perf_counter() - t0:.0f} s.",
+        f"(float64). {seconds:.0f} s. {(OUT / 'versions' / 'trained.txt').read_text().strip()}.",
         *check_all(by_mode),
     ]
     for mode, (tokens, flips, mean_err, max_err) in rows.items():
