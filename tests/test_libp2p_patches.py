@@ -17,6 +17,7 @@ from libp2p.network.swarm import Swarm
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.stream_muxer.yamux import yamux as yamux_module
 
+from node.connmgr import ConnLimits
 from node.host import build_host
 from node.libp2p import patches as libp2p_patches
 
@@ -171,7 +172,8 @@ async def test_patched_yamux_completes_when_both_peers_push(frequent_pings):
 # -- 2. inbound connection slots ------------------------------------------------------------------------------------
 
 
-IDENTITIES = 300
+SLOT_LIMITS = ConnLimits(max_inbound=136)  # py-libp2p's inbound slots: max_connections (136 + 64 outbound) - 0
+IDENTITIES = 250  # 50 more than the slots
 
 
 async def churn(server, count: int, batch: int = 75) -> int:
@@ -213,12 +215,12 @@ async def fresh_identity_connects(server) -> bool:
 
 
 async def run_slot_scenario() -> tuple[int, int, int, bool]:
-    """300 identities come and go; returns (slots, slots still held, identities refused, a newcomer connects)."""
-    server = build_host(create_new_key_pair())
+    """250 identities come and go; returns (slots, slots still held, identities refused, a newcomer connects)."""
+    server = build_host(create_new_key_pair(), limits=SLOT_LIMITS)
     async with server.run([LISTEN]):
         limiter = server.get_network()._inbound_limiter
         cap = int(limiter.total_tokens)
-        assert cap == 250  # max_connections - min_connections = 300 - 50
+        assert cap == 200  # max_connections - min_connections (node/libp2p/conns.py library_limits)
         refused = await churn(server, IDENTITIES)
         with trio.fail_after(10):  # the server notices every peer has gone
             while server.get_network().get_connections():
