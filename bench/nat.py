@@ -20,6 +20,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
@@ -49,10 +50,18 @@ def unavailable() -> str | None:
 
 
 def run_scenario(
-    root: Path, model_dir: Path, steps: int = 30, timeout: float = 480.0, punch_wait: float = 150.0, log=print
+    root: Path,
+    model_dir: Path,
+    steps: int = 30,
+    timeout: float = 480.0,
+    punch_wait: float = 150.0,
+    log=print,
+    stretch: Callable[[], float] = lambda: 1.0,
 ) -> dict:
     """Run the swarm until the trainer has taken ``steps`` steps and every sampler holds its last version (then up
-    to ``punch_wait`` seconds more, until the two cone-NAT samplers have punched a hole to each other)."""
+    to ``punch_wait`` seconds more, until the two cone-NAT samplers have punched a hole to each other). Both waits
+    are multiplied by the largest ``stretch()`` seen while they run (a test's load factor: the load average lags
+    the load at a session's start, when this scenario runs first)."""
     lab = NatLab(root / "lab", wan_links())
     swarm = nat_swarm_class()(
         lab,
@@ -73,8 +82,9 @@ def run_scenario(
         swarm.start("trainer")
         for name in samplers:
             swarm.start(name)
-        final, last_print = None, 0.0
+        final, last_print, factor = None, 0.0, stretch()
         while True:
+            factor = max(factor, stretch())
             swarm.check_alive("boot", "trainer", *samplers)
             swarm.sample_timeline()
             trainer = swarm.status("trainer")
@@ -87,8 +97,8 @@ def run_scenario(
             if time.time() - last_print > 20:
                 last_print = time.time()
                 log(f"{time.time() - t0:4.0f} s  trainer v{trainer.get('version')}  samplers {versions}")
-            if time.time() - t0 > timeout:
-                raise AssertionError(f"no convergence within {timeout:.0f} s: {versions}, trainer {trainer}")
+            if time.time() - t0 > timeout * factor:
+                raise AssertionError(f"no convergence within {timeout * factor:.0f} s: {versions}, trainer {trainer}")
             time.sleep(0.5)
         converged_s = time.time() - t0
         # the relays' share is taken here, while versions spread: waiting for the punch below adds control traffic
@@ -97,9 +107,10 @@ def run_scenario(
         # the cone-NAT pair punches a hole to each other; on a busy box an attempt can fail (an end too busy to dial
         # within the round) and the retry comes after a pause (node/reachability.py): give it time, the swarm runs on
         cones = [n for n, kind in zip(samplers, KINDS, strict=True) if kind == "cone"]
-        deadline = time.time() + punch_wait
-        while not punched_pair(swarm, *cones) and time.time() < deadline:
+        punch_from = time.time()
+        while not punched_pair(swarm, *cones) and time.time() < punch_from + punch_wait * factor:
             time.sleep(1.0)
+            factor = max(factor, stretch())
         cone_punch_s = round(time.time() - t0, 1) if punched_pair(swarm, *cones) else None
         time.sleep(1.0)  # one more status write everywhere
         states = {n: swarm.status(n) for n in ["boot", "trainer", *samplers]}
