@@ -119,15 +119,21 @@ class Swarm:
             if not direct or info.peer_id in self.host.get_connected_peers():
                 await self.host.connect(info)
                 return
-            self.host.get_peerstore().add_addrs(info.peer_id, direct, 600)
-            network, errors = self.host.get_network(), []
-            for addr in direct:
-                try:
-                    await network.dial_addr(addr, info.peer_id)
-                    return
-                except Exception as exc:
-                    errors.append(f"{addr}: {exc}")
-        raise ConnectionError(f"{info.peer_id}: no address answered ({'; '.join(errors)})")
+            error = await self._dial_each(info.peer_id, direct)
+        if error is not None:
+            raise ConnectionError(f"{info.peer_id}: no address answered ({error})")
+
+    async def _dial_each(self, peer: ID, addrs: list[multiaddr.Multiaddr]) -> str | None:
+        """Dial ``addrs`` one after another until one answers (kept in the peerstore): None, else what each said."""
+        self.host.get_peerstore().add_addrs(peer, addrs, 600)
+        network, errors = self.host.get_network(), []
+        for addr in addrs:
+            try:
+                await network.dial_addr(addr, peer)
+                return None
+            except Exception as exc:
+                errors.append(f"{addr}: {exc}")
+        return "; ".join(errors) or "no direct address"
 
     async def _connect_direct_or_relayed(self, info: PeerInfo, timeout: float) -> None:
         """A direct dial first (briefly when the peer advertises a relay address), then through a relay."""
@@ -149,17 +155,11 @@ class Swarm:
                 why = f"direct dial failed ({direct_error}), relay too ({exc})"
                 raise ConnectionError(f"{info.peer_id}: {why}") from None
             return
-        if direct:
-            self.host.get_peerstore().add_addrs(info.peer_id, direct, 600)
-        network = self.host.get_network()
-        error = None
+        error: str | None = "timed out"
         with trio.move_on_after(min(timeout, DIRECT_DIAL_TIMEOUT)):
-            for addr in direct:
-                try:
-                    await network.dial_addr(addr, info.peer_id)
-                    return
-                except Exception as exc:
-                    error = exc
+            error = await self._dial_each(info.peer_id, direct)
+        if error is None:
+            return
         if self.reach.kinds(info.peer_id):
             return  # relayed already: hole punching will try to make it direct
         try:
