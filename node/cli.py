@@ -100,7 +100,7 @@ def build_role(config: NodeConfig, settings: Settings):
                 "use the trainer's key (--key) or fix swarm.trainer"
             )
         return TrainerRole(config, settings)
-    from node.engines import auto_engine, engine_factory
+    from node.engines import auto_engine, engine_factory, received_encoding
     from node.roles.sampler import SamplerRole
 
     if config.trainer_id is None:
@@ -108,7 +108,8 @@ def build_role(config: NodeConfig, settings: Settings):
     if settings.sampler.engine == "torch" or (settings.sampler.engine == "auto" and auto_engine() == "torch"):
         require_torch(f"the torch sampling engine (--engine {settings.sampler.engine})", ", or use --engine mlx")
     sampler = settings.sampler
-    return SamplerRole(config, settings, engine_factory(sampler.engine, sampler.bits, sampler.compute))
+    encoding = received_encoding(sampler.engine, sampler.bits, sampler.compute, sampler.encoding)
+    return SamplerRole(config, settings, engine_factory(sampler.engine, sampler.bits, sampler.compute), encoding)
 
 
 def cmd_node(args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from node.config import ROLES, SwarmSettings
+from node.engines import received_encoding
 from trainer.errors import UserError
 from trainer.settings import LearnerSettings, knob
 
@@ -92,6 +93,18 @@ class SamplerSettings:
         moot=lambda s: (
             "the torch engine computes in fp32 or bf16 (use --engine mlx for fp16)"
             if s.engine == "torch" and s.compute == "fp16"
+            else None
+        ),
+    )
+    encoding: str = knob(
+        "auto",
+        "weights encoding this sampler downloads (auto: int8-grid, MLX's own 8-bit group codes patched code by code, "
+        "for an MLX 8-bit engine computing in bf16 or fp32; native, the published bf16, for every other engine)",
+        flag="receive-encoding",
+        choices=("auto", "native", "int8-grid"),
+        moot=lambda s: (
+            "int8-grid runs only on an MLX engine with 8-bit weights computing in bf16 or fp32 (--engine mlx --bits 8)"
+            if s.encoding == "int8-grid" and received_encoding(s.engine, s.bits, s.compute, "auto") != "int8-grid"
             else None
         ),
     )

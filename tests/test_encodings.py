@@ -245,3 +245,39 @@ async def test_a_trainer_publishes_bf16_and_int8_grid_chains_to_the_samplers_tha
         )
         assert all(s.role.strikes == 0 for s in samplers) and trainer.role.intake.status()["banned"] == 0
         nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--engine", "mlx"], "int8-grid"),  # what a Mac runs by default: MLX, 8-bit, computing in the version's dtype
+        (["--engine", "mlx", "--bits", "4"], "native"),
+        (["--engine", "mlx", "--compute", "fp16"], "native"),  # fp16 cannot hold a bf16 grid scale exactly
+        (["--engine", "torch", "--bits", "none"], "native"),
+        (["--engine", "mlx", "--receive-encoding", "native"], "native"),
+        (["--engine", "torch", "--bits", "none", "--receive-encoding", "int8-grid"], "error"),
+    ],
+)
+def test_the_sampler_command_downloads_the_encoding_its_engine_runs(tmp_path, flags, expected):
+    """`swarmrl node --role sampler`: an MLX 8-bit sampler receives int8-grid versions unless told otherwise, and
+    asking a torch sampler for int8-grid is a clear error, not a silent bf16 run."""
+    import argparse
+
+    from node.cli import add_node_args, build_config, build_role, load_settings
+    from node.errors import UserError
+
+    trainer = str(peer_id_of_key(tmp_path / "t.key"))
+    p = argparse.ArgumentParser()
+    add_node_args(p)
+    args = p.parse_args(["--role", "sampler", "--trainer", trainer, "--data-dir", str(tmp_path / "d"), *flags])
+    if expected == "error":
+        with pytest.raises(UserError, match="int8-grid runs only on an MLX engine"):
+            build_role(build_config(args), load_settings(args))
+        return
+    assert build_role(build_config(args), load_settings(args)).encoding == expected
+
+
+def peer_id_of_key(path: Path):
+    from node.identity import load_or_create_key, peer_id_of
+
+    return peer_id_of(load_or_create_key(path))

@@ -18,6 +18,7 @@ __all__ = [
     "engine_factory",
     "install",
     "make_engine",
+    "received_encoding",
     "weights_encoding",
 ]
 
@@ -44,6 +45,11 @@ def weights_encoding(engine: str, bits: str, compute: str = "auto", platform: st
     (fp16 cannot hold a bf16 scale exactly); ``native`` (bf16) for every other."""
     name = auto_engine(platform) if engine == "auto" else engine
     return "int8-grid" if name == "mlx" and bits == "8" and compute in ("auto", "bf16", "fp32") else "native"
+
+
+def received_encoding(engine: str, bits: str, compute: str, choice: str, platform: str = sys.platform) -> str:
+    """The encoding a sampler downloads: its ``--receive-encoding`` choice, where 'auto' is ``weights_encoding``."""
+    return weights_encoding(engine, bits, compute, platform) if choice == "auto" else choice
 
 
 def make_engine(name: str, model_dir: Path, bits: int | None = 8, version: int = 0, compute: str = "auto") -> Engine:
