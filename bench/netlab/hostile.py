@@ -36,7 +36,6 @@ from typing import Any
 
 import msgpack
 import multiaddr
-import torch
 import trio
 from libp2p.peer.peerinfo import PeerInfo
 
@@ -160,6 +159,8 @@ class Withholder(CorruptSeeder):
 def injecting_engine_factory(inner_factory):
     """An engine that samples honestly, then swaps every other sample for the task's right answer, with that
     answer's true logprobs under the weights it runs: nothing a logprob check can see."""
+    import torch  # here, not at the top: only the injector needs it, and ten attackers boot at once in the WAN test
+
     from node.engines.base import Generation
     from trainer.model import token_logprobs
     from trainer.tasks.reverse import ReverseDigitsTask
