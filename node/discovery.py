@@ -29,9 +29,11 @@ from libp2p.abc import IHost
 from libp2p.kad_dht.kad_dht import KadDHT
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
+from libp2p.peer.peerstore import PeerStoreError
 from multiaddr import Multiaddr
 
 from node.libp2p import providers_from_peer
+from node.libp2p.nat import is_relayed_addr
 
 log = logging.getLogger(__name__)
 
@@ -145,9 +147,14 @@ class DialingNode(DhtNode, Protocol):
     async def connect(self, info: PeerInfo, timeout: float = ...) -> None: ...
 
 
-def must_find_trainer(found: bool, connected: bool) -> bool:
-    """Look for the trainer when it was never found, or its connection is gone."""
-    return not found or not connected
+def trainer_step(found: bool, connected: bool) -> str:
+    """What discovery does about the trainer: 'keep' a found and connected one; 'adopt' one already connected but
+    not yet found (it dialled us, or we reached it as a DHT peer: the connection authenticated the trusted id, so no
+    lookup is needed; at 64 samplers on one box the DHT lookup took 10 s and more, and samplers connected to the
+    trainer waited minutes for it); 'find' it (redial, then the DHT) when its connection is gone."""
+    if connected:
+        return "keep" if found else "adopt"
+    return "find"
 
 
 def next_look(trainer_found: bool, interval: float) -> float:
@@ -204,7 +211,8 @@ class SamplerDiscovery:
         self.trainer_id = trainer_id
         self.interval = interval
         self.trainer_found = trio.Event()
-        self.trainer_found_by = {"last_addresses": 0, "dht": 0}  # how each (re)connection to the trainer came about
+        # how each (re)connection to the trainer came about
+        self.trainer_found_by = {"last_addresses": 0, "dht": 0, "connected": 0}
         self.trainer_addrs: list[Multiaddr] = []  # where the DHT last led us to the trainer (the peerstore forgets)
         self.samplers: set[str] = set()  # every sampler the DHT listed that we have been connected to
         self._redial_at: dict[str, tuple[float, int]] = {}  # sampler -> (not before, failures): dial backoff
@@ -219,7 +227,10 @@ class SamplerDiscovery:
         while True:
             self._lost = trio.Event()
             connected = self.trainer_id in swarm.host.get_connected_peers()
-            if must_find_trainer(self.trainer_found.is_set(), connected):
+            step = trainer_step(self.trainer_found.is_set(), connected)
+            if step == "adopt":
+                self.adopt_trainer(swarm)
+            elif step == "find":
                 await self.find_trainer(swarm)
             await self.connect_samplers(swarm)
             with trio.move_on_after(next_look(self.trainer_found.is_set(), self.interval)):
@@ -265,6 +276,18 @@ class SamplerDiscovery:
             self.trainer_found_by["dht"] += 1
             self.trainer_addrs = list(info.addrs)
             self.trainer_found.set()
+
+    def adopt_trainer(self, swarm: DialingNode) -> None:
+        """The trusted trainer is connected already: take it, and its addresses (as identify gave them) to redial."""
+        try:
+            addrs = [a for a in swarm.host.get_peerstore().addrs(self.trainer_id) if not is_relayed_addr(a)]
+        except PeerStoreError:  # connected, but identify has not told us where it listens (yet): keep the old ones
+            addrs = []
+        if addrs:
+            self.trainer_addrs = addrs
+        log.info("trainer %s is connected already", self.trainer_id)
+        self.trainer_found_by["connected"] += 1
+        self.trainer_found.set()
 
     async def redial_trainer(self, swarm: DialingNode) -> bool:
         """Dial the trainer where we last reached it. A restarted trainer or a healed link is back at once; the

@@ -10,9 +10,11 @@ from node import discovery
 
 
 def test_the_trainer_is_looked_for_until_found_and_whenever_its_connection_is_gone():
-    assert discovery.must_find_trainer(found=False, connected=True)
-    assert discovery.must_find_trainer(found=True, connected=False)
-    assert not discovery.must_find_trainer(found=True, connected=True)
+    assert discovery.trainer_step(found=False, connected=False) == "find"
+    assert discovery.trainer_step(found=True, connected=False) == "find"
+    assert discovery.trainer_step(found=True, connected=True) == "keep"
+    # connected to the trusted id (authenticated by the connection) but never looked up: taken as it is, no lookup
+    assert discovery.trainer_step(found=False, connected=True) == "adopt"
     assert discovery.next_look(False, 3.0) == 3.0 and discovery.next_look(True, 3.0) == 12.0
 
 
