@@ -277,8 +277,9 @@ class IdentityEngine:
     quant = "none"
     compute = "fp32"
 
-    def __init__(self, shared: SharedEngine, path: Path, version: int) -> None:
+    def __init__(self, shared: SharedEngine, path: Path, version: int, pace: float = 0.0) -> None:
         self.shared = shared
+        self.pace = pace  # seconds a group takes at the least: the emulated speed of one sampler's machine
         self.swap(path, version)
 
     def swap(self, model_dir: Path, version: int) -> None:
@@ -286,9 +287,14 @@ class IdentityEngine:
         self.version = version
 
     def generate(self, prompts: list[list[int]], *, temperature: float, top_p: float, max_tokens: int, seed: int):
-        return self.shared.generate(
+        t0 = time.monotonic()
+        out = self.shared.generate(
             self.version, prompts, seed, temperature=temperature, top_p=top_p, max_tokens=max_tokens
         )
+        # a paced identity is a machine that generates a group in `pace` seconds: it waits out the rest of that time
+        # in its worker thread (no CPU), so N identities offer N / pace groups/s whatever this box's cores
+        time.sleep(max(0.0, self.pace - (time.monotonic() - t0)))
+        return out
 
 
 def samplers_main(args: argparse.Namespace) -> None:
@@ -317,7 +323,7 @@ def samplers_main(args: argparse.Namespace) -> None:
         cfg = node_config(root, name, "sampler", bootstrap=(boot,), trainer_id=trainer_id, provide_interval=30.0,
                           discover_interval=2.0, status_interval=30.0, bootstrap_timeout=60.0)  # fmt: skip
         s = settings(sampler={"engine": "torch", "bits": "none", "compute": "fp32"})
-        role = SamplerRole(cfg, s, lambda path, version: IdentityEngine(shared, path, version))
+        role = SamplerRole(cfg, s, lambda path, version: IdentityEngine(shared, path, version, args.pace))
         roles[name] = role
         marks[name]["started"] = time.time()
         try:
@@ -428,7 +434,8 @@ class Run:
         for p in range(k):
             first, count = p * n // k, (p + 1) * n // k - p * n // k
             stagger = args.join_seconds / max(1, count)  # every process joins its identities over join_seconds
-            spawn(f"samplers{p}", "samplers", "--first", str(first), "--count", str(count), "--stagger", f"{stagger}")
+            spawn(f"samplers{p}", "samplers", "--first", str(first), "--count", str(count), "--stagger", f"{stagger}",
+                  "--pace", str(args.pace))  # fmt: skip
         self.k = k
 
     def _wait_file(self, path: Path, timeout: float) -> None:
@@ -798,12 +805,16 @@ def main() -> None:
         p.add_argument("--first", type=int, default=0)
         p.add_argument("--count", type=int, default=1)
         p.add_argument("--stagger", type=float, default=0.1)
+        p.add_argument("--pace", type=float, default=0.0)
     ap.add_argument("--n", type=int, nargs="+", default=[16, 64, 256])
     ap.add_argument("--per-proc", type=int, default=32, help="sampler identities per process")
     ap.add_argument("--window", type=float, default=60.0, help="seconds of steady state measured per N")
     ap.add_argument("--ramp", type=float, default=420.0, help="most seconds to wait for the samplers to work")
     ap.add_argument("--join-seconds", type=float, default=30.0, help="each process starts its identities over this")
     ap.add_argument("--newcomer-rate", type=float, default=4.0, help="the trainer's newcomer budget (groups/s)")
+    ap.add_argument("--pace", type=float, default=0.0,
+                    help="seconds one sampler takes per group at the least (an emulated machine's speed; 0: as fast "
+                    "as this box's share allows)")  # fmt: skip
     ap.add_argument("--no-write", action="store_true", help="print only (a smoke run)")
     ap.add_argument("--merge", action="store_true", help="keep the other N's results already in the results file")
     args = ap.parse_args()
