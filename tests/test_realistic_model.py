@@ -4,6 +4,8 @@ way by stock transformers, mlx-lm and both engines; reduced-precision compute re
 from __future__ import annotations
 
 import json
+import multiprocessing
+from pathlib import Path
 
 import numpy as np
 
@@ -58,3 +60,32 @@ def test_engines_compute_in_the_dtype_they_declare(realistic_model_dir):
             for a, b in zip(g.logprobs, r.logprobs, strict=True)
         ]
         assert diffs and lo <= max(diffs) < hi, (compute, max(diffs))
+
+
+def _build_in_a_process(root: str, builds) -> None:
+    import time
+
+    import trainer.realistic_model as rm
+
+    def counting_build(path, cfg) -> None:
+        with builds.get_lock():
+            builds.value += 1
+        time.sleep(0.5)  # long enough for the others to arrive while it builds
+        Path(path).mkdir(parents=True)
+        (Path(path) / rm.DATASET).write_text("built")
+
+    rm.build_realistic_model = counting_build
+    rm.cached_realistic_model(cache_dir=Path(root))
+
+
+def test_callers_at_once_build_the_fixture_once(tmp_path):
+    """The suite's workers ask for the fixture at the same moment: one builds it, the others wait and take it."""
+    ctx = multiprocessing.get_context("fork")
+    builds = ctx.Value("i", 0)
+    procs = [ctx.Process(target=_build_in_a_process, args=(str(tmp_path), builds)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    assert builds.value == 1

@@ -19,6 +19,7 @@ CPU give the same bytes. ``cached_realistic_model`` keeps one build per configur
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -198,13 +199,19 @@ def cached_realistic_model(cfg: RealisticConfig | None = None, cache_dir: Path |
     if (final / DATASET).is_file():
         return final
     root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".{final.name}.{os.getpid()}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    build_realistic_model(tmp, cfg)
-    try:
-        tmp.rename(final)
-    except OSError:  # another process finished the same build first
+    # one build at a time per cache: the test suite's two workers asked for it at once, and each trained its own copy
+    # (~35 s of CPU each, on a 2-core box); the second now waits for the first's and uses it
+    with open(root / f".{final.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (final / DATASET).is_file():
+            return final
+        tmp = root / f".{final.name}.{os.getpid()}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
+        build_realistic_model(tmp, cfg)
+        try:
+            tmp.rename(final)
+        except OSError:  # another process finished the same build first (a cache without working locks)
+            shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 
