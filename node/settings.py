@@ -97,9 +97,10 @@ class SamplerSettings:
         ),
     )
     encoding: str = knob(
-        "auto",
-        "weights encoding this sampler downloads (auto: int8-grid, MLX's own 8-bit group codes patched code by code, "
-        "for an MLX 8-bit engine computing in bf16 or fp32; native, the published bf16, for every other engine)",
+        "native",
+        "weights encoding this sampler downloads: native (the version as published), int8-grid (MLX's own 8-bit "
+        "group codes, patched code by code: ~7x smaller patches; the trainer then publishes a second chain), or auto "
+        "(int8-grid for an MLX 8-bit engine computing in bf16 or fp32, native otherwise)",
         flag="receive-encoding",
         choices=("auto", "native", "int8-grid"),
         moot=lambda s: (

@@ -250,17 +250,18 @@ async def test_a_trainer_publishes_bf16_and_int8_grid_chains_to_the_samplers_tha
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [
-        (["--engine", "mlx"], "int8-grid"),  # what a Mac runs by default: MLX, 8-bit, computing in the version's dtype
-        (["--engine", "mlx", "--bits", "4"], "native"),
-        (["--engine", "mlx", "--compute", "fp16"], "native"),  # fp16 cannot hold a bf16 grid scale exactly
-        (["--engine", "torch", "--bits", "none"], "native"),
-        (["--engine", "mlx", "--receive-encoding", "native"], "native"),
+        (["--engine", "mlx"], "native"),  # the default: the version as published
+        (["--engine", "mlx", "--receive-encoding", "auto"], "int8-grid"),  # a Mac's MLX 8-bit engine
+        (["--engine", "mlx", "--bits", "8", "--receive-encoding", "int8-grid"], "int8-grid"),
+        (["--engine", "mlx", "--bits", "4", "--receive-encoding", "auto"], "native"),
+        (["--engine", "mlx", "--compute", "fp16", "--receive-encoding", "auto"], "native"),  # fp16: no bf16 scale
+        (["--engine", "torch", "--bits", "none", "--receive-encoding", "auto"], "native"),
         (["--engine", "torch", "--bits", "none", "--receive-encoding", "int8-grid"], "error"),
     ],
 )
 def test_the_sampler_command_downloads_the_encoding_its_engine_runs(tmp_path, flags, expected):
-    """`swarmrl node --role sampler`: an MLX 8-bit sampler receives int8-grid versions unless told otherwise, and
-    asking a torch sampler for int8-grid is a clear error, not a silent bf16 run."""
+    """`swarmrl node --role sampler --receive-encoding auto`: an MLX 8-bit sampler receives int8-grid versions, any
+    other native; asking a torch sampler for int8-grid is a clear error, not a silent bf16 run."""
     import argparse
 
     from node.cli import add_node_args, build_config, build_role, load_settings
