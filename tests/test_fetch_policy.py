@@ -159,6 +159,12 @@ def test_only_newer_versions_are_chased_and_announcers_of_nothing_are_struck():
     assert not policy.take_announcement(6, b"m", 2, 5, full, False)
     assert not policy.take_announcement(5, b"m", 2, 5, set(), False)
     assert [policy.strike_announcer(n) for n in (1, 2, 3)] == [False, False, True]
+
+
+def test_a_node_announces_a_version_it_installed_only_while_few_others_have():
+    """Trickle's suppression: the first holders gossip, the rest keep quiet (not O(N^2) messages per version)."""
+    assert [policy.announce_installed(n, redundancy=4) for n in range(6)] == [True] * 4 + [False] * 2
+    assert policy.announce_installed(0) and not policy.announce_installed(policy.ANNOUNCE_REDUNDANCY)
     assert policy.manifest_sources("T", ["a", "T", "b", "c", "d"]) == ["T", "a", "b", "c"]
 
 

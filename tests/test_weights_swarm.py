@@ -64,6 +64,36 @@ async def test_versions_reach_every_sampler_bit_exact_and_swarm(tmp_path, tiny_m
         nursery.cancel_scope.cancel()
 
 
+async def test_samplers_that_heard_other_holders_keep_their_installs_quiet(tmp_path, tiny_model_dir, monkeypatch):
+    """Trickle's suppression (node/weights/policy.py announce_installed), here with a redundancy of 1: a sampler
+    that heard another sampler announce a version before installing it does not gossip its own install. Without the
+    rule every sampler announces every version (4 per version here): O(N^2) messages per version over a swarm."""
+    from node.weights import policy
+
+    monkeypatch.setattr(policy, "ANNOUNCE_REDUNDANCY", 1)
+    async with trio.open_nursery() as nursery:
+        boot = await start_bootstrap(nursery, tmp_path)
+        trainer = await start_trainer(
+            nursery, tmp_path, boot, tiny_model_dir, weights={"chunk_size": CHUNK}, batch_groups=NO_TRAINING
+        )
+        samplers = [await start_sampler(nursery, tmp_path, f"s{i}", boot) for i in range(4)]
+        await wait_until(lambda: all(s.role.engine_ready.is_set() for s in samplers), timeout=60)
+        versions = 3
+        for v in range(1, versions):
+            with torch.no_grad():
+                trainer.role.learner.model.model.layers[0].self_attn.q_proj.weight.mul_(-1.0)
+            trainer.role.learner.new_version()
+            await trainer.role.publish()
+            await wait_until(
+                lambda v=v: all(s.role.engine is not None and s.role.engine.version == v for s in samplers),
+                timeout=30,
+            )
+        announced = sum(s.role.weights.announced for s in samplers)
+        print(f"{announced} announcements of {versions} versions by 4 samplers")
+        assert 1 <= announced < 4 * versions, f"{announced} announcements of {versions} versions by 4 samplers"
+        nursery.cancel_scope.cancel()
+
+
 async def test_corrupt_chunks_and_forged_manifests_are_refused(tmp_path, tiny_model_dir):
     async with trio.open_nursery() as nursery, AsyncExitStack() as stack:
         boot = await start_bootstrap(nursery, tmp_path)

@@ -76,6 +76,7 @@ WITHHELD_LIMIT = 4  # advertised chunks not served before a peer may be dropped
 WORKER_FAILURES = 3  # failed requests in a row before a worker stops asking its peer
 ANNOUNCE_FAILURES = 3  # useless announcements before the announcer is struck
 MAX_PENDING_ANNOUNCEMENTS = 64  # announced manifests being fetched at once
+ANNOUNCE_REDUNDANCY = 4  # other holders heard announcing a version after which a node keeps its own to itself
 BUILD_RETRIES = 3  # rebuild attempts of one target after bad links, before waiting for a newer one
 LAPSE_AFTER = 0.5  # seconds a request stayed unanswered, when it stopped mattering, for it to count as unanswered
 UNANSWERED_LIMIT = 3  # requests in a row, across downloads, that brought no chunk before a peer is benched
@@ -394,6 +395,16 @@ def take_announcement(
         and not sender_banned
         and len(pending) < MAX_PENDING_ANNOUNCEMENTS
     )
+
+
+def announce_installed(others_heard: int, redundancy: int = ANNOUNCE_REDUNDANCY) -> bool:
+    """Gossip "I hold version V" on installing it only when fewer than ``redundancy`` other peers were heard
+    announcing it first (Trickle's suppression, RFC 6206): the first holders tell the swarm, the rest keep quiet.
+    Every sampler announcing every version made N announcements per version reach each of N nodes (O(N^2) over the
+    swarm, several times over with gossipsub's duplicates); sources are found by polling connected peers anyway, and
+    the trainer re-announces. Peers heard are distinct authenticated message origins (a Sybil can only make a few
+    more honest nodes keep quiet: they still serve what they hold)."""
+    return others_heard < redundancy
 
 
 def strike_announcer(failures: int) -> bool:

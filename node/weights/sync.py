@@ -168,6 +168,9 @@ class WeightSync:
         self.heard_at: dict[int, float] = {}  # version -> when its signed manifest was accepted
         self.last_swap_seconds: float | None = None  # from a version's announcement to the engine running it
         self._pending_ids: set[bytes] = set()  # announced manifests being fetched
+        # manifest id -> (version, peers other than the trainer heard announcing it): whether ours would add anything
+        self._announcers: dict[bytes, tuple[int, set[ID]]] = {}
+        self.announced = 0  # versions this node announced on installing them
         self._announce_slots = trio.Semaphore(4)
         self._announce_failures: dict[str, int] = {}
         self._trainer_asked = trio.Event()
@@ -233,6 +236,8 @@ class WeightSync:
         most a few at once; versions not newer than what we hold or chase are ignored, each manifest id once."""
         version, mid = w.parse_announce(message)
         encoding = w.parse_encoding(message, w.ENCODINGS)
+        if sender != self.trainer_id and version > self.current:
+            self._heard_announcing(sender, version, mid)
         if encoding is not None and not takes(encoding, self.encoding, self.has_own):
             return  # a version in an encoding this node does not run: not even its manifest is fetched
         target = self._floor(encoding)
@@ -241,6 +246,14 @@ class WeightSync:
             return
         self._pending_ids.add(mid)
         self._nursery.start_soon(self._consider_announced, sender, mid)
+
+    def _heard_announcing(self, sender: ID, version: int, mid: bytes) -> None:
+        """Count the peers announcing a version newer than ours (up to what the rule needs; a bounded table)."""
+        _, heard = self._announcers.setdefault(mid, (version, set()))
+        if len(heard) < policy.ANNOUNCE_REDUNDANCY:
+            heard.add(sender)
+        while len(self._announcers) > policy.MAX_PENDING_ANNOUNCEMENTS:
+            del self._announcers[next(iter(self._announcers))]  # the oldest heard
 
     async def _consider_announced(self, sender: ID, mid: bytes) -> None:
         try:
@@ -629,10 +642,15 @@ class WeightSync:
             self.last_swap_seconds = time.monotonic() - heard
         for v in [v for v in self.heard_at if v < manifest.version]:
             del self.heard_at[v]
-        try:
-            await self.gossip.publish(
-                announce_topic(self.swarm_name), w.announce(manifest.version, mid, manifest.encoding)
-            )
-        except Exception as exc:
-            log.debug("announce failed: %s", exc)
+        _, others = self._announcers.pop(mid, (0, set()))
+        for old in [m for m, (v, _) in self._announcers.items() if v <= manifest.version]:
+            del self._announcers[old]
+        if policy.announce_installed(len(others), policy.ANNOUNCE_REDUNDANCY):
+            try:
+                await self.gossip.publish(
+                    announce_topic(self.swarm_name), w.announce(manifest.version, mid, manifest.encoding)
+                )
+                self.announced += 1
+            except Exception as exc:
+                log.debug("announce failed: %s", exc)
         await trio.to_thread.run_sync(self.store.gc, self.settings.keep_versions)
