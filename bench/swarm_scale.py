@@ -376,6 +376,7 @@ def samplers_main(args: argparse.Namespace) -> None:
                     "accepted": role.rollouts_accepted, "sent": role.groups_sent, "rejected": role.rollouts_rejected,
                     "strikes": role.strikes, "rate_limited": role.rate_limited, "last_error": role.last_error,
                     "connections": len(swarms[name].host.get_connected_peers()) if name in swarms else 0,
+                    "gossip": swarms[name].gossip.delivered if name in swarms else 0,
                 }  # fmt: skip
             write_json(root / f"procs-{args.first}.json", {
                 "time": time.time(), "cpu": sum(os.times()[:2]), "rss_mb": proc_rss_mb(os.getpid()),
@@ -564,6 +565,13 @@ def measure(run: Run, window: float) -> dict[str, Any]:
         "trainer_rss_mb": t_b["rss_mb"],
         "conn_counts": t_b["conn_counts"],
         "sampler_connections_mean": statistics.fmean([s["connections"] for s in live]) if live else 0,
+        # gossip messages each sampler's handlers got per second (announcements: the trainer's, and every sampler's
+        # on installing a version): on one box the N hosts pay N times this
+        "gossip_per_sampler_s": statistics.fmean(
+            [(s_b[n].get("gossip", 0) - s_a.get(n, {}).get("gossip", 0)) / dt for n in s_b]
+        )
+        if s_b
+        else 0.0,
         "spread": spread,
         "dht_find_trainer_s": [f["seconds"] for f in finds if f["role"] == "trainer"],
         "dht_find_sampler_s": [f["seconds"] for f in finds if f["role"] == "sampler"],
@@ -638,7 +646,8 @@ def report_line(r: dict[str, Any]) -> str:
         f"cores, {r['trainer_cpu_per_group'] * 1e3:.1f} ms CPU/group, verify {r['verify_per_s']:.2f} s/s, "
         f"lag p50/p99/max {r['lag_p50_ms']:.0f}/{r['lag_p99_ms']:.0f}/{r['lag_max_ms']:.0f} ms, "
         f"{r['trainer_connections']} conns, RSS {r['trainer_rss_mb']:.0f} MB | samplers {r['sampler_cores']:.2f} "
-        f"cores ({r['sampler_cpu_per_group'] * 1e3:.0f} ms CPU/group), loop lag p99 {r['sampler_lag_p99_ms']:.0f} ms; "
+        f"cores, {r.get('gossip_per_sampler_s', float('nan')):.1f} gossip msgs/s each "
+        f"({r['sampler_cpu_per_group'] * 1e3:.0f} ms CPU/group), loop lag p99 {r['sampler_lag_p99_ms']:.0f} ms; "
         f"machine busy {r['machine_busy']:.2f}/{r['cores']} cores, this swarm's share {r['swarm_cores']:.2f} "
         f"| version heard 50/99% {r['announce_50_s']:.1f}/{r['announce_99_s']:.1f} s, "
         f"installed 50/99% {r['install_50_s']:.1f}/{r['install_99_s']:.1f} s | DHT find trainer "

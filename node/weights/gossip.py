@@ -31,6 +31,7 @@ def announce_topic(swarm_name: str) -> str:
 class Gossip:
     def __init__(self, pubsub: Pubsub) -> None:
         self.pubsub = pubsub
+        self.delivered = 0  # messages handed to our handlers (after gossipsub's dedup): what the swarm's size costs
 
     async def publish(self, topic: str, message: dict[str, Any]) -> None:
         data = pack(message)
@@ -43,6 +44,7 @@ class Gossip:
         sub = await self.pubsub.subscribe(topic)
         while True:
             msg = await sub.get()
+            self.delivered += 1
             try:
                 sender = ID(msg.from_id)
                 await handler(sender, unpack(msg.data, w.GOSSIP_MAX))
