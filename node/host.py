@@ -98,7 +98,8 @@ class Swarm:
         return out
 
     async def connect(self, info: PeerInfo, timeout: float = 10.0) -> None:
-        """Dial ``info`` (directly, else through a relay when the node has reachability)."""
+        """Dial ``info`` (directly, else through a relay when the node has reachability). Raises ConnectionError
+        naming what each address said when none answered, trio.TooSlowError past ``timeout``."""
         if info.peer_id == self.peer_id:
             return
         if not self.gate.allows(info.peer_id):

@@ -36,11 +36,13 @@ async def test_only_nodes_with_the_swarm_key_can_connect(tmp_path):
         await b.connect(target)
         assert a.peer_id in b.host.get_connected_peers()
         for outsider in (wrong, public):
-            with pytest.raises((trio.TooSlowError, SwarmException)):  # the handshake never makes sense
+            # the handshake never makes sense: it times out, or fails (Swarm.connect: ConnectionError, naming each
+            # address and what it said; burner run d3 failed here when the handshake failed before the 2 s)
+            with pytest.raises((trio.TooSlowError, SwarmException, ConnectionError)):
                 await outsider.connect(target, timeout=2)
             assert a.peer_id not in outsider.host.get_connected_peers()
         # and the private node cannot dial out into the public one either
-        with pytest.raises((trio.TooSlowError, SwarmException)):
+        with pytest.raises((trio.TooSlowError, SwarmException, ConnectionError)):
             await a.connect(info_from_p2p_addr(public.addrs()[0]), timeout=2)
         # the keyed pair still talks after the failed attempts: a libp2p ping round trip through the pnet cipher
         stream = await b.host.new_stream(a.peer_id, ["/ipfs/ping/1.0.0"])
