@@ -236,8 +236,8 @@ class WeightSync:
         most a few at once; versions not newer than what we hold or chase are ignored, each manifest id once."""
         version, mid = w.parse_announce(message)
         encoding = w.parse_encoding(message, w.ENCODINGS)
-        if sender != self.trainer_id and version > self.current:
-            self._heard_announcing(sender, version, mid)
+        if sender != self.trainer_id and version > self.current and not self.strikes.is_banned(sender):
+            self._heard_announcing(sender, version, mid)  # a banned peer cannot quiet this node
         if encoding is not None and not takes(encoding, self.encoding, self.has_own):
             return  # a version in an encoding this node does not run: not even its manifest is fetched
         target = self._floor(encoding)
