@@ -190,3 +190,17 @@ def test_two_threads_storing_one_chunk_at_once_both_succeed(tmp_path):
         t.join()
     assert not errors, errors[:1]
     assert store.read(h) == data and ChunkStore(tmp_path / "s").read(h) == data
+
+
+def test_an_observer_opening_a_live_store_leaves_its_writes_in_flight_alone(tmp_path):
+    """A test or bench reading a running node's progress opens its store too: a node's own start sweeps the .tmp
+    files a killed process left, but an observer must not (it deleted a live sampler's write in flight, and the
+    sampler crashed on the rename: burner run d4's WAN test)."""
+    node = ChunkStore(tmp_path / "s")
+    in_flight = node.chunk_dir / "ab" / ("ab" * 32 + ".4242.tmp")
+    in_flight.parent.mkdir()
+    in_flight.write_bytes(b"being written")
+    ChunkStore(tmp_path / "s", observer=True)
+    assert in_flight.exists()
+    ChunkStore(tmp_path / "s")  # the node itself, restarted: a leftover of a killed process goes
+    assert not in_flight.exists()

@@ -155,7 +155,7 @@ class WanSwarm:
         root = self.root / name / "store"
         if not (root / "manifests").exists():
             return None
-        store = ChunkStore(root)
+        store = ChunkStore(root, observer=True)  # the node is running: its writes in flight are its own
         manifests = [store.manifest(bytes.fromhex(p.stem)) for p in store.manifest_dir.glob("*.bin")]
         manifests = [m for m in manifests if m is not None]
         if not manifests:

@@ -46,15 +46,18 @@ class MissingChunk(FileNotFoundError):
 
 
 class ChunkStore:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, observer: bool = False) -> None:
+        """``observer``: another process looking at a live node's store (a test or a bench reading its progress):
+        it must not sweep the node's writes in flight (a burner run's WAN test crashed a sampler that way)."""
         self.root = Path(root)
         self.chunk_dir = self.root / "chunks"
         self.manifest_dir = self.root / "manifests"
         self.versions_dir = self.root / "versions"
         for d in (self.chunk_dir, self.manifest_dir, self.versions_dir):
             d.mkdir(parents=True, exist_ok=True)
-        for stray in self.chunk_dir.glob("*/*.tmp"):  # a write cut short by a killed process
-            stray.unlink(missing_ok=True)
+        if not observer:
+            for stray in self.chunk_dir.glob("*/*.tmp"):  # a write cut short by a killed process
+                stray.unlink(missing_ok=True)
         self._present: set[bytes] = {bytes.fromhex(p.name) for p in self.chunk_dir.glob("*/*") if len(p.name) == 64}
         self._manifests: dict[bytes, tuple[SignedManifest, Manifest]] = {}
         for p in self.manifest_dir.glob("*.bin"):
