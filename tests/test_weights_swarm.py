@@ -27,14 +27,20 @@ def weights_bytes(store: ChunkStore, version: int) -> bytes:
     return (store.versions_dir / f"v{version}" / "model.safetensors").read_bytes()
 
 
+async def trainer_and_samplers(nursery, tmp_path, tiny_model_dir, n: int):
+    """A trainer that publishes only when a test says so, and ``n`` samplers running its first version."""
+    boot = await start_bootstrap(nursery, tmp_path)
+    trainer = await start_trainer(
+        nursery, tmp_path, boot, tiny_model_dir, weights={"chunk_size": CHUNK}, batch_groups=NO_TRAINING
+    )
+    samplers = [await start_sampler(nursery, tmp_path, f"s{i}", boot) for i in range(n)]
+    await wait_until(lambda: all(s.role.engine_ready.is_set() for s in samplers), timeout=60)
+    return trainer, samplers
+
+
 async def test_versions_reach_every_sampler_bit_exact_and_swarm(tmp_path, tiny_model_dir):
     async with trio.open_nursery() as nursery:
-        boot = await start_bootstrap(nursery, tmp_path)
-        trainer = await start_trainer(
-            nursery, tmp_path, boot, tiny_model_dir, weights={"chunk_size": CHUNK}, batch_groups=NO_TRAINING
-        )
-        samplers = [await start_sampler(nursery, tmp_path, f"s{i}", boot) for i in range(3)]
-        await wait_until(lambda: all(s.role.engine_ready.is_set() for s in samplers), timeout=60)
+        trainer, samplers = await trainer_and_samplers(nursery, tmp_path, tiny_model_dir, 3)
         _, _, m0 = trainer.role.store.latest()
         reference = (await trio.to_thread.run_sync(trainer.role.store.assemble, m0)) / "model.safetensors"
         for s in samplers:
@@ -72,12 +78,7 @@ async def test_samplers_that_heard_other_holders_keep_their_installs_quiet(tmp_p
 
     monkeypatch.setattr(policy, "ANNOUNCE_REDUNDANCY", 1)
     async with trio.open_nursery() as nursery:
-        boot = await start_bootstrap(nursery, tmp_path)
-        trainer = await start_trainer(
-            nursery, tmp_path, boot, tiny_model_dir, weights={"chunk_size": CHUNK}, batch_groups=NO_TRAINING
-        )
-        samplers = [await start_sampler(nursery, tmp_path, f"s{i}", boot) for i in range(4)]
-        await wait_until(lambda: all(s.role.engine_ready.is_set() for s in samplers), timeout=60)
+        trainer, samplers = await trainer_and_samplers(nursery, tmp_path, tiny_model_dir, 4)
         versions = 3
         for v in range(1, versions):
             with torch.no_grad():
