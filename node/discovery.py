@@ -21,7 +21,9 @@ from __future__ import annotations
 import base64
 import hashlib
 import logging
+import os
 from collections.abc import Collection, Hashable, Mapping, Sequence
+from pathlib import Path
 from typing import Protocol, TypeVar
 
 import trio
@@ -137,6 +139,34 @@ async def find_role(swarm: DhtNode, key: str, timeout: float = 10.0) -> list[Pee
 
 # -- a sampler's place in the swarm ------------------------------------------------------------------------------
 REDIAL_TIMEOUT = 5.0  # seconds to try the trainer's last known addresses before asking the DHT
+MAX_REMEMBERED = 16  # trainer addresses kept on disk (identify lists a handful)
+REMEMBERED_BYTES = 16 << 10  # a larger file is not ours: ignored
+
+
+def read_trainer_addrs(path: Path, trainer_id: ID) -> list[Multiaddr]:
+    """Where this node last reached ``trainer_id``, as ``write_trainer_addrs`` left it: a restarted sampler dials
+    the trainer there at once instead of waiting for a DHT lookup (20 s and more on a loaded swarm). A missing,
+    unreadable or foreign file (another trainer, not multiaddrs) means nothing remembered."""
+    try:
+        if path.stat().st_size > REMEMBERED_BYTES:
+            raise ValueError(f"larger than {REMEMBERED_BYTES} bytes")
+        first, *lines = path.read_text().split()
+        if first != str(trainer_id):
+            return []
+        return [Multiaddr(line) for line in lines[:MAX_REMEMBERED]]
+    except FileNotFoundError:
+        return []
+    except Exception as exc:  # a damaged file costs a DHT lookup, never the start
+        log.info("ignoring %s: %s", path, exc)
+        return []
+
+
+def write_trainer_addrs(path: Path, trainer_id: ID, addrs: Sequence[Multiaddr]) -> None:
+    """Remember where ``trainer_id`` was reached (its id, then one address per line), replacing the file whole."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("\n".join([str(trainer_id), *(str(a) for a in addrs[:MAX_REMEMBERED])]) + "\n")
+    os.replace(tmp, path)
+
 
 P = TypeVar("P", bound=Hashable)
 
@@ -204,16 +234,19 @@ def sampler_dials(
 class SamplerDiscovery:
     """A sampler's place in the swarm: the trusted trainer found (first where it was last reached, else through
     the DHT) and kept connected, and every sampler the DHT lists connected to, new ones and those whose connection
-    died (a stalled process, a NAT mapping gone), so the swarm heals. Failed dials back off."""
+    died (a stalled process, a NAT mapping gone), so the swarm heals. Failed dials back off. With ``remember`` (a
+    file in the data directory) the trainer's last addresses outlive the process."""
 
-    def __init__(self, swarm_name: str, trainer_id: ID, interval: float) -> None:
+    def __init__(self, swarm_name: str, trainer_id: ID, interval: float, remember: Path | None = None) -> None:
         self.swarm_name = swarm_name
         self.trainer_id = trainer_id
         self.interval = interval
         self.trainer_found = trio.Event()
         # how each (re)connection to the trainer came about
         self.trainer_found_by = {"last_addresses": 0, "dht": 0, "connected": 0}
-        self.trainer_addrs: list[Multiaddr] = []  # where the DHT last led us to the trainer (the peerstore forgets)
+        self.remember = remember
+        # where we last reached the trainer (the peerstore forgets; the file outlives a restart)
+        self.trainer_addrs: list[Multiaddr] = read_trainer_addrs(remember, trainer_id) if remember else []
         self.samplers: set[str] = set()  # every sampler the DHT listed that we have been connected to
         self._redial_at: dict[str, tuple[float, int]] = {}  # sampler -> (not before, failures): dial backoff
         self._lost = trio.Event()  # set when the trainer is lost: the loop wakes to look at once
@@ -274,7 +307,7 @@ class SamplerDiscovery:
             if not self.trainer_found.is_set():
                 log.info("found trainer %s through the DHT", info.peer_id)
             self.trainer_found_by["dht"] += 1
-            self.trainer_addrs = list(info.addrs)
+            self.remember_trainer(list(info.addrs))
             self.trainer_found.set()
 
     def adopt_trainer(self, swarm: DialingNode) -> None:
@@ -284,10 +317,20 @@ class SamplerDiscovery:
         except PeerStoreError:  # connected, but identify has not told us where it listens (yet): keep the old ones
             addrs = []
         if addrs:
-            self.trainer_addrs = addrs
+            self.remember_trainer(addrs)
         log.info("trainer %s is connected already", self.trainer_id)
         self.trainer_found_by["connected"] += 1
         self.trainer_found.set()
+
+    def remember_trainer(self, addrs: list[Multiaddr]) -> None:
+        """Take ``addrs`` as where the trainer is, on disk too when they changed."""
+        changed = addrs != self.trainer_addrs
+        self.trainer_addrs = addrs
+        if changed and self.remember is not None:
+            try:
+                write_trainer_addrs(self.remember, self.trainer_id, addrs)
+            except OSError as exc:  # a full or read-only disk: the next start looks the trainer up
+                log.warning("cannot remember the trainer's addresses in %s: %s", self.remember, exc)
 
     async def redial_trainer(self, swarm: DialingNode) -> bool:
         """Dial the trainer where we last reached it. A restarted trainer or a healed link is back at once; the

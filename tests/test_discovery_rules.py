@@ -37,3 +37,24 @@ def test_samplers_are_dialled_unless_connected_ourselves_or_backing_off():
 def test_failed_dials_back_off_exponentially_up_to_five_minutes():
     assert [discovery.dial_backoff(n) for n in (1, 2, 3)] == [20.0, 40.0, 80.0]
     assert discovery.dial_backoff(10) == 300.0
+
+
+def test_the_trainers_last_addresses_outlive_the_process_and_a_bad_file_is_ignored(tmp_path):
+    from multiaddr import Multiaddr
+
+    trainer, other = ID(b"trainer"), ID(b"another trainer")
+    path = tmp_path / "trainer.addrs"
+    addrs = [Multiaddr("/ip4/10.0.0.1/tcp/4001"), Multiaddr("/ip6/::1/tcp/4002")]
+    assert discovery.read_trainer_addrs(path, trainer) == []  # nothing remembered yet
+    discovery.write_trainer_addrs(path, trainer, addrs)
+    assert discovery.read_trainer_addrs(path, trainer) == addrs
+    assert discovery.read_trainer_addrs(path, other) == []  # the swarm's trainer changed: not its addresses
+    d = discovery.SamplerDiscovery("test", trainer, 1.0, remember=path)
+    assert d.trainer_addrs == addrs  # a new process starts where the last one left off
+    d.remember_trainer(addrs[:1])
+    assert discovery.read_trainer_addrs(path, trainer) == addrs[:1]
+    for damaged in (f"{trainer}\nnot a multiaddr\n", "", f"{trainer}\n" + "/ip4/10.0.0.1/tcp/1\n" * 2000):
+        path.write_text(damaged)
+        assert discovery.read_trainer_addrs(path, trainer) == [], damaged
+    path.write_bytes(b"\xff\xfe\x00")
+    assert discovery.read_trainer_addrs(path, trainer) == []

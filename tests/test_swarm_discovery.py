@@ -8,6 +8,7 @@ import trio
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from multiaddr import Multiaddr
 
+from node.discovery import SamplerDiscovery, read_trainer_addrs
 from node.host import bootstrap_peers, join_bootstrap, open_swarm
 from node.identity import load_or_create_key, peer_id_of
 from node.roles.bootstrap import BootstrapRole
@@ -83,6 +84,17 @@ async def test_samplers_find_trainer_and_each_other_via_dht(tmp_path, tiny_model
                     s.swarm.host.get_peerstore().clear_addrs(tid)  # its old addresses are dead, and forgotten
                 await d.find_trainer(s.swarm)
                 await trio.sleep(0.2)
+
+        # a restarted sampler dials the trainer where its last process reached it (the file in its data directory),
+        # before any DHT lookup: here a node that has joined no DHT at all
+        remembered = samplers[2].config.data_dir / "trainer.addrs"
+        assert read_trainer_addrs(remembered, tid), remembered
+        async with open_swarm(load_or_create_key(tmp_path / "restarted.key"), LOOPBACK) as restarted:
+            d = SamplerDiscovery("test", tid, 1.0, remember=remembered)
+            with trio.fail_after(20 * slowdown()):
+                await d.find_trainer(restarted)
+            assert d.trainer_found_by == {"last_addresses": 1, "dht": 0, "connected": 0}
+            assert tid in restarted.host.get_connected_peers()
         nursery.cancel_scope.cancel()
 
 

@@ -91,7 +91,9 @@ class SamplerRole:
         self.engine_ready = trio.Event()
         self.store = ChunkStore(config.data_dir / "store")
         self.weight_server = WeightServer(self.store, upload_per_peer=settings.weights.upload_per_peer)
-        self.discovery = SamplerDiscovery(self.swarm_name, self.trainer_id, config.discover_interval)
+        self.discovery = SamplerDiscovery(
+            self.swarm_name, self.trainer_id, config.discover_interval, remember=config.data_dir / "trainer.addrs"
+        )
         self.groups_sent = 0
         self.rollouts_accepted = 0
         self.rollouts_rejected = 0
