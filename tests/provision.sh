@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # What some tests need beyond the Python packages, installed with the rest (the README's test command runs this
 # before pytest; the tests only look for it and skip, saying why, where it is missing):
+#   byte-code for .venv's packages, compiled on every core (the README's pip install passes --no-compile: pip
+#             compiles ~13k files on one core, 28 s of the 64 s install on a 2-core box; this takes 18 s)
 #   chromium  (Debian package; tests/test_dashboard.py renders the dashboard in it)    -- as root with apt-get
 #   nftables  (Debian package; tests/test_nat.py builds NAT namespaces with nft)       -- as root with apt-get
 #   tests/js/node_modules (npm ci, the versions pinned in tests/js/package-lock.json;
@@ -45,6 +47,12 @@ npm_install() {  # the pinned js-libp2p packages, once per package-lock.json (a 
     fi
 }
 
+compile_venv() {  # errors are not ours: pip skips files it cannot compile too (torch ships Python 3.12 syntax)
+    [ -x ../.venv/bin/python ] || return
+    ../.venv/bin/python -m compileall -q -j 0 ../.venv/lib >/dev/null 2>&1 || true
+}
+
+compile_venv
 apt_install chromium chromium
 apt_install nft nftables
 npm_install
