@@ -9,7 +9,7 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# The README's test command runs a worker per core and one more (`-n auto --dist loadfile --no-loadscope-reorder`: xdist
+# The README's test command runs one worker per core (`-n auto --dist loadfile --no-loadscope-reorder`: xdist
 # would otherwise hand out the modules with the most tests first): a module is a worker's unit (its
 # module-scoped fixtures are built once). (`--dist loadgroup` would let modules share a worker, but pytest-xdist 3.8
 # renames node ids through an attribute pytest 9.2 no longer reads: its groups are silently ignored.) The
@@ -17,14 +17,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # the longest tests go first, so that the other worker runs the many short ones beside them instead of waiting at
 # the end (longest-first scheduling).
 LONGEST_FIRST = ("test_wan_faults", "test_nat_swarm")
-
-
-def pytest_xdist_auto_num_workers(config) -> int | None:
-    """`-n auto`: one worker more than cores. Many tests wait on the network and on timers more than they compute;
-    with one worker per core the last 270 s of an idle 2-core run kept 1.1 cores busy (idle6: 782 s)."""
-    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
-        return None  # xdist's own hook reads it
-    return (os.cpu_count() or 1) + 1
 
 
 def _rank(item) -> int:
