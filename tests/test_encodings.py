@@ -17,6 +17,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from node.engines import weights_encoding
 from node.weights.encodings import encodings_to_publish, news_floor, push_encoding, takes
 from node.weights.grid import GRID_ENCODING, encode_grid_file, mlx_tensors
+from node.weights.hashes import manifest_id
 from node.weights.manifest import WEIGHTS_FILE
 from node.weights.publish import Publisher
 from node.weights.store import ChunkStore
@@ -69,6 +70,18 @@ def test_the_encoding_fields_are_optional_bounded_and_known():
     assert w.parse_announce(m) == (3, b"\1" * 32) and w.parse_encoding(m, w.ENCODINGS) == "int8"
     with pytest.raises(SchemaError):
         w.parse_encoding(m)  # a sampler may not ask for int8 rowwise: the trainer picks that one for everybody
+
+
+def test_a_poll_for_the_newest_may_name_the_manifest_it_holds():
+    have = b"\2" * 32
+    m = wire(w.get_manifest(None, "int8-grid", have))
+    assert w.parse_have_id(m) == have and w.parse_request(m) == ("get_manifest", None)  # old servers: the manifest
+    assert w.parse_have_id(wire(w.get_manifest(None))) is None
+    assert "have" not in w.get_manifest(b"\1" * 32, have=have)  # a manifest asked for by id is that one, always
+    for bad in (b"\2" * 31, "x" * 32, 5):
+        with pytest.raises(SchemaError):
+            w.parse_have_id({**w.get_manifest(None), "have": bad})
+    assert w.is_same(wire(w.same_reply())) and not w.is_same(wire(w.get_manifest(None)))
 
 
 # -- the trainer's store: two chains side by side -----------------------------------------------------------------
@@ -244,6 +257,17 @@ async def test_a_trainer_publishes_bf16_and_int8_grid_chains_to_the_samplers_tha
             what="groups accepted from both samplers",
         )
         assert all(s.role.strikes == 0 for s in samplers) and trainer.role.intake.status()["banned"] == 0
+
+        # polls for the newest are conditional: a node that names the newest (in its encoding) gets ``same``, not the
+        # manifest again; one that names an older one, or none, gets the manifest
+        tid, newest_native, newest_grid = trainer.swarm.peer_id, store.latest()[0], store.latest(GRID_ENCODING)[0]
+        older_grid = next(mid for mid, m in store.manifests() if m.encoding == GRID_ENCODING and m.version == 2)
+        ask = linux.role.weights.client.manifest
+        assert await ask(tid, None, 10, have=newest_native) is None
+        assert await ask(tid, None, 10, GRID_ENCODING, have=newest_grid) is None
+        assert manifest_id(await ask(tid, None, 10, GRID_ENCODING, have=older_grid)) == newest_grid
+        assert manifest_id(await ask(tid, None, 10, have=newest_grid)) == newest_native  # not the newest native one
+        assert manifest_id(await ask(tid, None, 10)) == newest_native
         nursery.cancel_scope.cancel()
 
 

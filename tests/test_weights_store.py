@@ -204,3 +204,31 @@ def test_an_observer_opening_a_live_store_leaves_its_writes_in_flight_alone(tmp_
     assert in_flight.exists()
     ChunkStore(tmp_path / "s")  # the node itself, restarted: a leftover of a killed process goes
     assert not in_flight.exists()
+
+
+def test_latest_follows_every_change_of_the_store(publisher, tiny_model_dir, tmp_path):
+    """``latest`` is kept between changes (every poll asks it, and recomputing walks every chunk of every manifest);
+    each change a store sees — a manifest, a chunk, a chunk dropped, a gc — gives the answer a fresh store gives."""
+    pub, _ = publisher
+    metas = publish_versions(pub, tiny_model_dir, 3)
+    mine = ChunkStore(tmp_path / "sampler")
+
+    def agrees() -> int | None:
+        got = mine.latest()
+        assert got == mine._find_latest(None)  # the uncached answer
+        return got[2].version if got else None
+
+    assert agrees() is None
+    for _, signed, manifest in metas:
+        mine.add_manifest(signed, manifest)
+        agrees()
+        mine.put_verified({h: pub.store.read(h) for h in manifest.all_chunks()})
+        assert agrees() == manifest.version
+    newest = metas[-1][2]
+    h = next(iter(set(newest.all_chunks()) - set(metas[-2][2].all_chunks())))
+    mine.drop(h)
+    assert agrees() == metas[-2][2].version  # the newest lost a chunk: the one before is the newest held whole
+    mine.write(h, pub.store.read(h))
+    assert agrees() == newest.version
+    mine.gc(keep=1)
+    assert agrees() == newest.version and mine.latest("int8-grid") is None

@@ -201,8 +201,7 @@ async def test_a_download_that_stalls_is_abandoned_for_the_newest_version(tmp_pa
         weights = next(f for f in m0.files if f.path == "model.safetensors").chunks
         gone = weights[len(weights) // 2 : len(weights) // 2 + 3]  # tensor data, not the (shared) header
         for h in gone:
-            trainer.role.store._chunk_path(h).unlink()
-            trainer.role.store._present.discard(h)
+            trainer.role.store.drop(h)
         sampler = await start_sampler(nursery, tmp_path, "s0", boot, engine="torch")
         sampler.role.weights.settings.stall_timeout = 1.0
         await wait_until(

@@ -24,7 +24,7 @@ from typing import Any
 
 from libp2p.peer.id import ID
 
-from node.weights.server import NotFound, OriginPush, WeightServer
+from node.weights.server import NotFound, OriginPush, WeightServer, newest_reply
 from protocols import weights as w
 
 MAX_DECLARED = 1 << 14  # peers whose declaration is remembered (the oldest forgotten first)
@@ -107,7 +107,7 @@ class DemandServer(WeightServer):
                 latest = self.store.latest(encoding) or self.store.latest(w.DEFAULT_ENCODING)
                 if latest is None:
                     raise NotFound("this peer holds no complete version yet")
-                return latest[1].to_wire()
+                return newest_reply(latest[0], latest[1], w.parse_have_id(message))
         return await super().handle(message, remote)
 
 

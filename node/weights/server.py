@@ -203,7 +203,7 @@ class WeightServer:
                 latest = self.store.latest()
                 if latest is None:
                     raise NotFound("this peer holds no complete version yet")
-                return latest[1].to_wire()
+                return newest_reply(latest[0], latest[1], w.parse_have_id(message))
             entry = self.store.manifest(arg)
             if entry is None:
                 raise NotFound(f"manifest {arg.hex()[:12]} is not held here")
@@ -243,6 +243,11 @@ class WeightServer:
         return w.have_reply(arg, self.store.bitfield(entry[1]))
 
 
+def newest_reply(mid: bytes, signed: w.SignedManifest, have: bytes | None) -> dict[str, Any]:
+    """The answer to a poll for the newest manifest: ``same`` when the asker holds it already."""
+    return w.same_reply() if have == mid else signed.to_wire()
+
+
 class WeightsClient:
     """The client side of the protocol ``WeightServer`` serves: one method per request, each with its frame limits
     and its reply checked, so callers hold parsed data or an exception (RemoteError for a refusal; ``rpc.
@@ -262,9 +267,14 @@ class WeightsClient:
             timeout=timeout,
         )
 
-    async def manifest(self, peer: ID, mid: bytes | None, timeout: float) -> w.SignedManifest:
-        """Manifest ``mid`` (None: the newest this peer holds), still to be verified against the trainer's key."""
-        reply = await self._ask(peer, w.get_manifest(mid), w.MAX_MANIFEST_BODY + 4096, timeout)
+    async def manifest(
+        self, peer: ID, mid: bytes | None, timeout: float, encoding: str | None = None, have: bytes | None = None
+    ) -> w.SignedManifest | None:
+        """Manifest ``mid`` (None: the newest this peer holds, in ``encoding`` if given), still to be verified against
+        the trainer's key; None when asked for the newest with ``have`` and that is still the newest there."""
+        reply = await self._ask(peer, w.get_manifest(mid, encoding, have), w.MAX_MANIFEST_BODY + 4096, timeout)
+        if mid is None and have is not None and w.is_same(reply):
+            return None
         return w.SignedManifest.from_wire(reply)
 
     async def have(self, peer: ID, mid: bytes, n_chunks: int, timeout: float = 5.0) -> bytes:

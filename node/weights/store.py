@@ -60,6 +60,10 @@ class ChunkStore:
                 stray.unlink(missing_ok=True)
         self._present: set[bytes] = {bytes.fromhex(p.name) for p in self.chunk_dir.glob("*/*") if len(p.name) == 64}
         self._manifests: dict[bytes, tuple[SignedManifest, Manifest]] = {}
+        # bumped by every change of the chunks or manifests held: ``latest`` (every poll of a node asks it) is kept
+        # for a generation, not recomputed over every chunk of every manifest
+        self._generation = 0
+        self._latest: dict[str | None, tuple[int, tuple[bytes, SignedManifest, Manifest] | None]] = {}
         for p in self.manifest_dir.glob("*.bin"):
             try:
                 signed = SignedManifest.from_wire(unpack(p.read_bytes(), MAX_MANIFEST_BODY + 4096))
@@ -91,6 +95,7 @@ class ChunkStore:
             return self._chunk_path(h).read_bytes()
         except FileNotFoundError:
             self._present.discard(h)
+            self._generation += 1
             return None
 
     def read_verified(self, h: bytes, what: str = "") -> bytes:
@@ -105,6 +110,7 @@ class ChunkStore:
 
     def drop(self, h: bytes) -> None:
         self._present.discard(h)
+        self._generation += 1
         self._chunk_path(h).unlink(missing_ok=True)
 
     def write(self, h: bytes, data: bytes) -> None:
@@ -125,6 +131,7 @@ class ChunkStore:
         tmp.write_bytes(data)
         os.replace(tmp, path)
         self._present.add(h)
+        self._generation += 1
 
     def put_verified(self, chunks: dict[bytes, bytes]) -> None:
         for h, data in chunks.items():
@@ -138,6 +145,7 @@ class ChunkStore:
             tmp.write_bytes(msgpack.packb(signed.to_wire(), use_bin_type=True))
             os.replace(tmp, self.manifest_dir / f"{mid.hex()}.bin")
             self._manifests[mid] = (signed, manifest)
+            self._generation += 1
         return mid
 
     def manifest(self, mid: bytes) -> tuple[SignedManifest, Manifest] | None:
@@ -150,6 +158,15 @@ class ChunkStore:
     def latest(self, encoding: str | None = None) -> tuple[bytes, SignedManifest, Manifest] | None:
         """The newest version held (all chunks of one of its routes are here), in ``encoding`` if given; of a version
         held in several encodings, the most widely runnable (the first in ``ENCODINGS``: native before int8-grid)."""
+        generation = self._generation  # taken first: a chunk stored meanwhile (a fetch thread) makes this one stale
+        cached = self._latest.get(encoding)
+        if cached is not None and cached[0] == generation:
+            return cached[1]
+        found = self._find_latest(encoding)
+        self._latest[encoding] = (generation, found)
+        return found
+
+    def _find_latest(self, encoding: str | None) -> tuple[bytes, SignedManifest, Manifest] | None:
         complete = [
             (m.version, -ENCODINGS.index(m.encoding), mid)
             for mid, (_, m) in self._manifests.items()
@@ -335,6 +352,7 @@ class ChunkStore:
             (self.manifest_dir / f"{mid.hex()}.bin").unlink(missing_ok=True)
             self._unbuild_if_ours(m)
             del self._manifests[mid]
+            self._generation += 1
 
     def _unbuild_if_ours(self, m: Manifest) -> None:
         """Drop version ``m.version``'s model dir, unless it holds that version in another encoding."""
@@ -348,5 +366,6 @@ class ChunkStore:
         for h in list(self._present - referenced):
             self._chunk_path(h).unlink(missing_ok=True)
             self._present.discard(h)
+            self._generation += 1
             dropped += 1
         return dropped

@@ -36,7 +36,7 @@ import trio
 from libp2p.peer.id import ID
 
 from node.host import Swarm
-from node.rpc import request, serve
+from node.rpc import serve
 from node.settings import WeightSettings
 from node.strikes import Strikes
 from node.weights import policy
@@ -282,7 +282,10 @@ class WeightSync:
         known = self.store.manifest(mid) if mid else None
         if known is None:
             try:
-                signed, manifest = await self._request_manifest(peer, mid, timeout or self.settings.manifest_timeout)
+                got = await self._request_manifest(peer, mid, timeout or self.settings.manifest_timeout)
+                if got is None:
+                    return True  # the newest there is the one we hold or chase already
+                signed, manifest = got
             except ForgedManifest as exc:
                 self.forged_manifests += 1
                 self.strikes.strike(peer)
@@ -299,6 +302,13 @@ class WeightSync:
         if policy.is_news(manifest.version, self.current, self._floor(manifest.encoding)):
             self._adopt(signed, manifest, mid)
         return True
+
+    def _newest_known(self) -> bytes | None:
+        """The manifest a poll for the newest names as held (its ``have``): the one chased, else the newest here."""
+        if self.target is not None:
+            return self.target[1]
+        latest = self.store.latest()
+        return latest[0] if latest is not None else None
 
     def _floor(self, encoding: str | None) -> int | None:
         """The version a manifest in ``encoding`` must be newer than to become the target (``news_floor``)."""
@@ -478,20 +488,15 @@ class WeightSync:
 
     async def _request_manifest(
         self, peer: ID, mid: bytes | None, timeout: float
-    ) -> tuple[w.SignedManifest, w.Manifest]:
+    ) -> tuple[w.SignedManifest, w.Manifest] | None:
         """Manifest ``mid`` (None: the newest, in this node's encoding) from ``peer``, signed by the trusted trainer
-        for this swarm, and the one asked for (ForgedManifest otherwise: a replay of another manifest is a lie too)."""
-        if mid is None and self.encoding != w.DEFAULT_ENCODING:
-            reply = await request(
-                self.swarm.host,
-                peer,
-                w.PROTOCOL_ID,
-                w.get_manifest(None, self.encoding),
-                max_request=w.MAX_REQUEST_FRAME,
-                max_reply=w.MAX_MANIFEST_BODY + 4096,
-                timeout=timeout,
-            )
-            signed = w.SignedManifest.from_wire(reply)
+        for this swarm, and the one asked for (ForgedManifest otherwise: a replay of another manifest is a lie too).
+        None: asked for the newest, the peer's is the one this node holds or chases already."""
+        if mid is None:
+            encoding = self.encoding if self.encoding != w.DEFAULT_ENCODING else None
+            signed = await self.client.manifest(peer, None, timeout, encoding, self._newest_known())
+            if signed is None:
+                return None
         else:
             signed = await self.client.manifest(peer, mid, timeout)
         manifest = verify_manifest(signed, self.trainer_id, self.swarm_name)
