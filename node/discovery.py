@@ -265,6 +265,8 @@ class SamplerDiscovery:
                 self.adopt_trainer(swarm)
             elif step == "find":
                 await self.find_trainer(swarm)
+            elif not self.trainer_addrs:  # adopted before identify said where it listens: take them once it has
+                self.remember_trainer(self._listed_trainer_addrs(swarm))
             await self.connect_samplers(swarm)
             with trio.move_on_after(next_look(self.trainer_found.is_set(), self.interval)):
                 await self._lost.wait()
@@ -312,15 +314,19 @@ class SamplerDiscovery:
 
     def adopt_trainer(self, swarm: DialingNode) -> None:
         """The trusted trainer is connected already: take it, and its addresses (as identify gave them) to redial."""
-        try:
-            addrs = [a for a in swarm.host.get_peerstore().addrs(self.trainer_id) if not is_relayed_addr(a)]
-        except PeerStoreError:  # connected, but identify has not told us where it listens (yet): keep the old ones
-            addrs = []
-        if addrs:
+        addrs = self._listed_trainer_addrs(swarm)
+        if addrs:  # none yet: identify has not told us where it listens; keep the old ones
             self.remember_trainer(addrs)
         log.info("trainer %s is connected already", self.trainer_id)
         self.trainer_found_by["connected"] += 1
         self.trainer_found.set()
+
+    def _listed_trainer_addrs(self, swarm: DialingNode) -> list[Multiaddr]:
+        """The trainer's direct addresses as the peerstore holds them (identify's), if any."""
+        try:
+            return [a for a in swarm.host.get_peerstore().addrs(self.trainer_id) if not is_relayed_addr(a)]
+        except PeerStoreError:
+            return []
 
     def remember_trainer(self, addrs: list[Multiaddr]) -> None:
         """Take ``addrs`` as where the trainer is, on disk too when they changed."""

@@ -40,6 +40,12 @@ class RunLog:
         self.history.append(record)
         append_jsonl(self.path, record)
 
+    def highest_version(self) -> int:
+        """The highest version any record on disk names (-1: none), a dead process's included: a version it named
+        and logged but never wrote or published still had its number used."""
+        versions = [r.get("version") for r in read_jsonl(self.path)]
+        return max((v for v in versions if isinstance(v, int)), default=-1)
+
     def plot(self, png: Path) -> None:
         """Blocking: the reward and accuracy curves so far as a PNG."""
         plot_curve(read_jsonl(self.path), png)

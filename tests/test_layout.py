@@ -98,3 +98,10 @@ def test_torch_is_the_trainer_extra():
     extras = project["optional-dependencies"]
     assert "torch" not in core and "mlx-lm" in core
     assert "torch==2.13.0" in extras["trainer"] and "swarmrl[trainer]" in extras["dev"]
+
+
+def test_the_trainer_role_reads_as_its_loop():
+    """Issue 25: the role wires and runs the loop; what grows goes beside the code it belongs to (the outbox's
+    encodings: node/weights/encodings.py; the dashboard's view: node/dashboard.py; the run log: node/runlog.py)."""
+    lines = (ROOT / "node" / "roles" / "trainer.py").read_text().splitlines()
+    assert len(lines) <= 200, f"node/roles/trainer.py has {len(lines)} lines"

@@ -88,7 +88,9 @@ async def test_samplers_find_trainer_and_each_other_via_dht(tmp_path, tiny_model
         # a restarted sampler dials the trainer where its last process reached it (the file in its data directory),
         # before any DHT lookup: here a node that has joined no DHT at all
         remembered = samplers[2].config.data_dir / "trainer.addrs"
-        assert read_trainer_addrs(remembered, tid), remembered
+        # (a sampler that adopted the trainer before identify told it where the trainer listens takes the addresses
+        # on its next look: burner run e1)
+        await wait_until(lambda: bool(read_trainer_addrs(remembered, tid)), 30 * slowdown(), what=f"{remembered}")
         async with open_swarm(load_or_create_key(tmp_path / "restarted.key"), LOOPBACK) as restarted:
             d = SamplerDiscovery("test", tid, 1.0, remember=remembered)
             with trio.fail_after(20 * slowdown()):

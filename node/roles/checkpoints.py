@@ -9,6 +9,7 @@ from pathlib import Path
 import trio
 
 from node.intake import RolloutIntake
+from node.runlog import RunLog
 from node.weights.store import ChunkStore
 from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.leader import LeaderLearner
@@ -18,14 +19,22 @@ log = logging.getLogger(__name__)
 
 
 class Checkpoints:
-    def __init__(self, path: Path, learner: Learner | LeaderLearner, intake: RolloutIntake, store: ChunkStore) -> None:
-        self.path, self.learner, self.intake, self.store = path, learner, intake, store
+    def __init__(
+        self,
+        path: Path,
+        learner: Learner | LeaderLearner,
+        intake: RolloutIntake,
+        store: ChunkStore,
+        runlog: RunLog,
+    ) -> None:
+        self.path, self.learner, self.intake, self.store, self.runlog = path, learner, intake, store, runlog
 
     def restore(self) -> None:
         """Resume from the checkpoint, if any; then continue after every version named or published before."""
-        # versions named before a crash: their weights files are written as they are named, before publishing
-        # (which runs in the background and may not have finished)
-        named = max(self.learner.scorer.found_at_start, default=-1)
+        # versions named before a crash: written (their weights files, before publishing, which runs in the
+        # background and may not have finished), or only named and logged (the write follows the name off the loop,
+        # and a kill can land between them: burner run e1 named and logged version 5 twice)
+        named = max(max(self.learner.scorer.found_at_start, default=-1), self.runlog.highest_version())
         saved = load_checkpoint(self.path)
         if saved is not None:
             self.learner.restore(saved, self.path)

@@ -31,12 +31,8 @@ from node.roles.ranks import open_learner, watch_ranks
 from node.roles.trainer_rpc import serve_trainer
 from node.runlog import RunLog, StepMeter
 from node.settings import Settings
-from node.weights.encodings import Demand, DemandServer, EncodingPush
-from node.weights.grid import GRID_ENCODING
-from node.weights.outbox import Extra, Outbox
-from node.weights.publish import Publisher
+from node.weights.encodings import Demand, DemandServer, trainer_outbox
 from node.weights.store import ChunkStore
-from protocols.weights import DEFAULT_ENCODING
 from protocols.work import WorkRequest
 from trainer.memory import limit_malloc_arenas
 from trainer.tasks import load_task
@@ -69,10 +65,8 @@ class TrainerRole:
             transport="wire8" if w.encoding == "int8" else None,
         )
         self.store = ChunkStore(config.data_dir / "store")
-        # its own chunks go to peers that were leased work (the lease book remembers them) or had a group accepted;
-        # all others share one small upload share (node/weights/policy.py, origin_serves_freely): a new sampler
-        # fetches its first version from the swarm
-        # which encodings connected samplers run (their manifest polls say): each version is published in those too
+        # which encodings connected samplers run (their polls say); its own chunks go to peers that were leased work or
+        # had a group accepted (intake.known), the others share one small upload share (policy.origin_serves_freely)
         self.demand = Demand(lambda: self.swarm.host.get_connected_peers(), self.intake.strikes.is_banned)
         self.weight_server = DemandServer(
             self.demand, self.store, True, w.reserve_after, w.upload_per_peer, self.intake.known
@@ -82,34 +76,22 @@ class TrainerRole:
         self.meter = StepMeter(self.intake)
         self.view = SwarmView()
         self.dashboard_url: str | None = None
-        self.checkpoints = Checkpoints(config.data_dir / "trainer.ckpt", self.learner, self.intake, self.store)
+        self.checkpoints = Checkpoints(
+            config.data_dir / "trainer.ckpt", self.learner, self.intake, self.store, self.runlog
+        )
         self.checkpoints.restore()
 
     # -- the network side --------------------------------------------------------------------------------
     def register(self, swarm: Swarm) -> None:
         self.swarm = swarm
         key_pair = KeyPair(swarm.host.get_private_key(), swarm.host.get_public_key())
-        w = self.weights
-        self.publisher = Publisher(
-            self.store, key_pair, self.config.swarm, w.chunk_size, w.encoding, w.anchor_every, w.patch_max_fraction
-        )
-        grid = Publisher(
-            self.store, key_pair, self.config.swarm, w.chunk_size, GRID_ENCODING, w.anchor_every,
-            w.patch_max_fraction, tag=GRID_ENCODING,
-        )  # fmt: skip
-        server, demand = self.weight_server, self.demand
-        self.outbox = Outbox(
-            self.publisher,
-            lambda version, staging: self.learner.save_model_dir(staging, version),
-            swarm.gossip,
-            self.config.swarm,
+        self.outbox = trainer_outbox(
+            self.store, key_pair, self.config.swarm, self.weights, swarm.gossip, self.weight_server, self.demand,
+            stage=lambda version, staging: self.learner.save_model_dir(staging, version),
             keep=self.settings.max_staleness + 2,
             on_published=lambda version, _: self.view.trainer_version(version),
-            # a small version's first copies go out as it is announced, to the samplers that run its encoding
-            pusher=EncodingPush(server, DEFAULT_ENCODING, demand),
-            extras={GRID_ENCODING: Extra(grid, EncodingPush(server, GRID_ENCODING, demand))},
-            wanted=demand.wanted,
-        )
+        )  # fmt: skip
+        self.publisher = self.outbox.publisher
         self.weight_server.register(swarm.host)
         swarm.conns.set_valued(self.intake.has_record)  # their connections are kept when slots run short
         intake = self.intake

@@ -20,11 +20,18 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
+from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 
+from node.settings import WeightSettings
+from node.weights.grid import GRID_ENCODING
+from node.weights.outbox import Announcer, Extra, Outbox
+from node.weights.publish import Publisher
 from node.weights.server import NotFound, OriginPush, WeightServer, newest_reply
+from node.weights.store import ChunkStore
 from protocols import weights as w
 
 MAX_DECLARED = 1 << 14  # peers whose declaration is remembered (the oldest forgotten first)
@@ -121,3 +128,32 @@ class EncodingPush(OriginPush):
 
     def targets(self) -> list[ID]:
         return [p for p in super().targets() if self.demand.encoding_of(p) == self.encoding]
+
+
+def trainer_outbox(
+    store: ChunkStore,
+    key_pair: KeyPair,
+    swarm_name: str,
+    settings: WeightSettings,
+    gossip: Announcer,
+    server: WeightServer,
+    demand: Demand,
+    stage: Callable[[int, Path], object],
+    **outbox: Any,
+) -> Outbox:
+    """The trainer's way out for its versions: the configured encoding's chain (every sampler can run it), and the
+    int8-grid chain while some connected sampler asks for it; a small version's first copies are pushed as it is
+    announced, each encoding's to the samplers that run it. ``outbox``: Outbox's other arguments."""
+    chain = (settings.chunk_size, settings.encoding, settings.anchor_every, settings.patch_max_fraction)
+    publisher = Publisher(store, key_pair, swarm_name, *chain)
+    grid = Publisher(store, key_pair, swarm_name, chain[0], GRID_ENCODING, *chain[2:], tag=GRID_ENCODING)
+    return Outbox(
+        publisher,
+        stage,
+        gossip,
+        swarm_name,
+        pusher=EncodingPush(server, w.DEFAULT_ENCODING, demand),
+        extras={GRID_ENCODING: Extra(grid, EncodingPush(server, GRID_ENCODING, demand))},
+        wanted=demand.wanted,
+        **outbox,
+    )
