@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -127,7 +128,9 @@ class Origin:
             "chunk_size": manifest.chunk_size,
             "chunks": len(manifest.patch.chunks) if manifest.patch is not None else len(manifest.all_chunks()),
         }
-        (self.root / "published.json").write_text(json.dumps(self.published))
+        tmp = self.root / "published.json.tmp"  # replaced whole: bench/wan.py reads it while versions go out
+        tmp.write_text(json.dumps(self.published))
+        os.replace(tmp, self.root / "published.json")
         self.version = version
 
     async def publish(self) -> None:

@@ -59,6 +59,14 @@ class LinkTable:
         return self.links.get((a, b), (0.0, 0.0, 0.0))
 
 
+def write_stats(config: Path, stats: dict[str, int]) -> None:
+    """The counters, replaced whole: a reader never sees the file empty or half written (Lab.stats then read {}, and
+    the WAN lab test failed on a missing counter beside two CPU burners: run f3)."""
+    tmp = Path(f"{config}.stats.json.tmp")
+    tmp.write_text(json.dumps(stats))
+    os.replace(tmp, f"{config}.stats.json")
+
+
 def main(config_path: str) -> None:
     path = Path(config_path)
     config = json.loads(path.read_text())
@@ -89,7 +97,7 @@ def main(config_path: str) -> None:
                     table, mtime = LinkTable(json.loads(path.read_text())), m
             except (OSError, ValueError):
                 pass
-            Path(f"{path}.stats.json").write_text(json.dumps(stats))
+            write_stats(path, stats)
         timeout = max(0.0, min(queue[0][0] - now if queue else 0.05, 0.05))
         try:
             readable, _, _ = select.select([fd], [], [], timeout)
@@ -127,7 +135,7 @@ def main(config_path: str) -> None:
                 stats["bytes"] += len(packet)
             except OSError:
                 pass
-    Path(f"{path}.stats.json").write_text(json.dumps(stats))
+    write_stats(path, stats)
 
 
 if __name__ == "__main__":
