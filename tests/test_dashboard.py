@@ -71,7 +71,9 @@ async def test_dashboard_shows_the_live_swarm_in_a_browser(tmp_path, tiny_model_
         for s in samplers:
             row = rows[str(s.swarm.peer_id)]
             assert row["role"] == "sampler" and row["engine"] == "torch/fp32/none"  # engine/compute/quant
-            assert row["accepted"] == role.intake.ledger.accepted_by_peer[str(s.swarm.peer_id)] > 0
+            # the page's snapshot, taken before this read of the live ledger: the samplers go on meanwhile (idle9:
+            # 136 shown, 144 by the time the ledger was read)
+            assert 0 < row["accepted"] <= role.intake.ledger.accepted_by_peer[str(s.swarm.peer_id)]
             assert 0 <= row["version"] <= role.learner.version and row["strikes"] == 0
             assert str(s.swarm.peer_id) in state["versions"]
         shown = [v for _, v in state["versions"]["trainer"]][-1]
