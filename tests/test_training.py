@@ -40,7 +40,7 @@ async def test_short_swarm_run_beats_the_untrained_model(tmp_path, tiny_model_di
         )
         # publishing is made slower than training, whatever a step costs on this box (a fixed delay was not,
         # under a loaded suite): each publish waits for two more steps. Training must not wait for it.
-        publish = trainer.role.publisher.publish
+        publish = trainer.role.outbox.publisher.publish
         publish_seconds: list[float] = []
 
         def slow_publish(*args):
@@ -52,7 +52,7 @@ async def test_short_swarm_run_beats_the_untrained_model(tmp_path, tiny_model_di
             publish_seconds.append(time.monotonic() - started)
             return out
 
-        trainer.role.publisher.publish = slow_publish
+        trainer.role.outbox.publisher.publish = slow_publish
         for i in range(2):
             await start_sampler(nursery, tmp_path, f"s{i}", boot)
         await wait_until(lambda: trainer.role.finished.is_set(), 400, 0.5, what="24 training steps")

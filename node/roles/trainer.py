@@ -91,7 +91,6 @@ class TrainerRole:
             keep=self.settings.max_staleness + 2,
             on_published=lambda version, _: self.view.trainer_version(version),
         )  # fmt: skip
-        self.publisher = self.outbox.publisher
         self.weight_server.register(swarm.host)
         swarm.conns.set_valued(self.intake.has_record)  # their connections are kept when slots run short
         intake = self.intake
