@@ -132,3 +132,32 @@ def test_a_process_that_built_an_engine_in_a_worker_thread_exits_cleanly(tiny_mo
         timeout=300,
     )
     assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-500:]}"
+
+
+def test_loads_in_several_threads_at_once_all_get_real_weights(tiny_model_dir):
+    """A demo or test swarm builds the trainer's model and samplers' engines in threads of one process; transformers'
+    from_pretrained patches process-wide state per call, and without the load lock 4 threads x 12 loads here left
+    every thread a model on the meta device ("Cannot copy out of meta tensor")."""
+    import threading
+
+    errors: list[str] = []
+
+    def load(i: int) -> None:
+        try:
+            for _ in range(12):
+                if i % 2:
+                    model = make_engine("torch", tiny_model_dir, compute="bf16").model
+                else:
+                    model = load_model(tiny_model_dir)
+                if any(p.is_meta for p in model.parameters()):
+                    raise AssertionError("a parameter was left on the meta device")
+        except Exception as exc:
+            errors.append(f"thread {i}: {exc!r}"[:300])
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert torch.get_default_dtype() == torch.float32  # no thread's bf16 load left its default behind

@@ -28,6 +28,7 @@ import torch
 import transformers
 from transformers import Qwen2ForCausalLM
 
+from trainer.model import LOAD_LOCK
 from trainer.model_dir import flatten_rope_theta
 from trainer.tiny_qwen2 import BOS_ID, EOS_ID, PAD_ID, build_tokenizer, tiny_config, vocab
 
@@ -90,7 +91,8 @@ def pretrain(seed: int = 0, cfg: PretrainConfig | None = None) -> Qwen2ForCausal
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = Qwen2ForCausalLM(tiny_config(cfg.layers, cfg.hidden)).to(torch.float32)
+            with LOAD_LOCK:  # another thread's load would leave torch.nn.init patched to no-ops
+                model = Qwen2ForCausalLM(tiny_config(cfg.layers, cfg.hidden)).to(torch.float32)
             opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0)
             sched = torch.optim.lr_scheduler.LambdaLR(
                 opt, lambda s: min(1.0, (s + 1) / cfg.warmup) * max(0.0, 1.0 - s / cfg.steps)

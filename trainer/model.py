@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,15 +29,27 @@ WEIGHTS_FILE = "model.safetensors"
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
+# transformers' from_pretrained is not thread-safe: it builds the model under process-wide patches (the default
+# dtype, torch.nn.init, tie_weights) entered and left per call, so two loads in two threads (a demo or a test
+# swarm: the trainer and samplers' engines in one process) interleave them and one gets a model left on the meta
+# device ("Cannot copy out of meta tensor"). Every load in this process goes through this lock.
+LOAD_LOCK = threading.Lock()
+
+
+def from_pretrained(model_dir: Path, dtype: torch.dtype) -> PreTrainedModel:
+    """``AutoModelForCausalLM.from_pretrained`` one at a time per process, failures as a UserError."""
+    with LOAD_LOCK:
+        try:
+            return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        except Exception as exc:
+            raise UserError(f"transformers could not load {model_dir}: {exc}") from None
+
+
 def load_model(
     model_dir: Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
 ) -> PreTrainedModel:
     inspect_model_dir(model_dir)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    except Exception as exc:
-        raise UserError(f"transformers could not load {model_dir}: {exc}") from None
-    return model.to(device)
+    return from_pretrained(model_dir, dtype).to(device)
 
 
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:

@@ -34,6 +34,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from trainer.base_model import padded_batch
+from trainer.model import LOAD_LOCK
 from trainer.model_dir import flatten_rope_theta
 
 transformers.utils.logging.disable_progress_bar()
@@ -145,7 +146,8 @@ def finetune(tok: PreTrainedTokenizerFast, cfg: RealisticConfig) -> LlamaForCaus
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
-            model = LlamaForCausalLM(llama_config(cfg, tok)).to(torch.float32)
+            with LOAD_LOCK:  # another thread's load would leave torch.nn.init patched to no-ops
+                model = LlamaForCausalLM(llama_config(cfg, tok)).to(torch.float32)
             opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0)
             sched = torch.optim.lr_scheduler.LambdaLR(
                 opt, lambda s: min(1.0, (s + 1) / cfg.warmup) * max(0.05, 1.0 - s / cfg.steps)

@@ -14,6 +14,7 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from trainer.model import LOAD_LOCK
 from trainer.model_dir import flatten_rope_theta
 
 transformers.utils.logging.disable_progress_bar()  # no 'Writing model shards' bars in the demo
@@ -71,7 +72,8 @@ def build_random_model(out_dir: Path, seed: int = 0, layers: int = 2, hidden: in
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(tiny_config(layers, hidden, **shape)).to(torch.float32)
+    with LOAD_LOCK:  # another thread's load would leave torch.nn.init patched to no-ops
+        model = Qwen2ForCausalLM(tiny_config(layers, hidden, **shape)).to(torch.float32)
     model.save_pretrained(out_dir)
     build_tokenizer().save_pretrained(out_dir)
     flatten_rope_theta(out_dir)

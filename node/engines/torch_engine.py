@@ -11,12 +11,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import DynamicCache
 
 from node.engines.base import Generation, NotUpdatable
 from node.errors import UserError
 from protocols.draw import draw_uniforms
 from trainer.draws import draw_tokens
+from trainer.model import from_pretrained
 from trainer.model_dir import inspect_model_dir
 
 BATCH_SIZE = 64  # sequences decoded together (a GRPO group is one batch)
@@ -36,10 +37,7 @@ class TorchEngine:
         info = inspect_model_dir(model_dir)
         self.eos_ids = info.eos_ids
         self.batch_size = batch_size
-        try:
-            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=COMPUTE_DTYPES[compute]).eval()
-        except Exception as exc:
-            raise UserError(f"transformers could not load {model_dir}: {exc}") from None
+        self.model = from_pretrained(model_dir, COMPUTE_DTYPES[compute]).eval()
         self.version = version
 
     def swap(self, model_dir: Path, version: int) -> None:
