@@ -496,6 +496,8 @@ async def test_versions_travel_as_patches_through_a_swarm(tmp_path, tiny_model_d
         from mlx_lm.utils import load_model as mlx_load
         from transformers import AutoModelForCausalLM
 
+        from trainer.model import LOAD_LOCK
+
         for s in samplers:
             for v in (3, 4) if s is late else (2, 3, 4):
                 out = s.role.store.versions_dir / f"v{v}"
@@ -503,7 +505,8 @@ async def test_versions_travel_as_patches_through_a_swarm(tmp_path, tiny_model_d
                     continue  # garbage-collected (keep_versions)
                 assert weights_of(out) == learner.scorer.path(v).read_bytes(), (s.config.data_dir, v)
         out = samplers[0].role.store.versions_dir / "v4"
-        AutoModelForCausalLM.from_pretrained(out)
+        with LOAD_LOCK:  # the samplers' engines may be loading in threads of this process
+            AutoModelForCausalLM.from_pretrained(out)
         mlx_load(out)
         # in-place updates left each engine exactly where a fresh engine on version 4 would be
         from node.engines import make_engine

@@ -69,7 +69,10 @@ async def test_llama_bpe_chat_dataset_bf16_trainer_mlx_int8_sampler(tmp_path, ll
     import mlx_lm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    AutoModelForCausalLM.from_pretrained(version_dir)
+    from trainer.model import LOAD_LOCK
+
+    with LOAD_LOCK:
+        AutoModelForCausalLM.from_pretrained(version_dir)
     assert AutoTokenizer.from_pretrained(version_dir).chat_template
     mlx_lm.load(str(version_dir))
 

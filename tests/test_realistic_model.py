@@ -30,9 +30,12 @@ def test_stock_mlx_lm_and_transformers_agree_on_it(realistic_model_dir):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from trainer.model import LOAD_LOCK
+
     tok = AutoTokenizer.from_pretrained(realistic_model_dir)
     ids = render_prompt(tok, question(12, 34))
-    hf = AutoModelForCausalLM.from_pretrained(realistic_model_dir, dtype=torch.float32).eval()
+    with LOAD_LOCK:
+        hf = AutoModelForCausalLM.from_pretrained(realistic_model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         want = hf(input_ids=torch.tensor([ids])).logits[0].numpy()
     model, _ = mlx_lm.load(str(realistic_model_dir))
