@@ -32,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ RUNS = Path(__file__).resolve().parents[1] / "runs" / "swarm_scale"
 # on one box the samplers' share of the CPU grows with N x versions/s (each real sampler pays its own)
 TRAINER = dict(task="reverse", group_size=4, max_tokens=6, batch_groups=32, publish_every=4, eval_every=10**6,
                checkpoint_every=10**6, dashboard="off")  # fmt: skip
+GROUPS_PER_VERSION = TRAINER["batch_groups"] * TRAINER["publish_every"]
 CLK = os.sysconf("SC_CLK_TCK")
 
 
@@ -533,6 +535,9 @@ def measure(run: Run, window: float) -> dict[str, Any]:
             if later:
                 inst_or_later.append(min(later) - at)
         spread.append({"version": int(v), "heard": heard, "installed": inst, "installed_or_later": inst_or_later})
+    end = time.time()
+    # every (sampler, version) rebuilt inside the window: the term of the samplers' CPU that grows with N x versions/s
+    installs = sum(1 for s in s_b.values() for at in s.get("installed", {}).values() if start <= at <= end)
     live = [s for s in s_b.values() if "joined" in s]
     to_trainer = [s["trainer_found"] - s["started"] for s in s_b.values() if "trainer_found" in s]
     accepted_by = {n: s_b[n]["accepted"] - s_a.get(n, {}).get("accepted", 0) for n in s_b}
@@ -553,6 +558,7 @@ def measure(run: Run, window: float) -> dict[str, Any]:
         "verify_per_group": (t_b["verify_seconds"] - t_a["verify_seconds"]) / max(groups, 1),
         "learn_per_s": (t_b["busy_seconds"] - t_a["busy_seconds"]) / dt,
         "steps": t_b["step"] - t_a["step"],
+        "installs_per_s": installs / dt,
         "lag_p50_ms": pct(lags, 0.5) * 1e3,
         "lag_p99_ms": pct(lags, 0.99) * 1e3,
         "lag_max_ms": max(lags, default=float("nan")) * 1e3,
@@ -667,53 +673,95 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - b * mx, b
 
 
-def fit_two(x1: list[float], x2: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least squares y = p x1 + q x2 (no intercept)."""
-    a11, a12, a22 = (sum(u * v for u, v in zip(p, q, strict=True)) for p, q in ((x1, x1), (x1, x2), (x2, x2)))
-    b1, b2 = sum(u * y for u, y in zip(x1, ys, strict=True)), sum(u * y for u, y in zip(x2, ys, strict=True))
-    det = a11 * a22 - a12 * a12
-    return ((b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det) if det else (float("nan"), float("nan"))
+@dataclass(frozen=True)
+class Capacity:
+    """docs/capacity.md section 6: the swarm on one box. Each sampler host costs ``h`` CPU-s per second (upkeep and
+    its groups at the offered pace) plus ``c_v`` per version it rebuilds; the trainer ``t`` CPU-s per second per
+    sampler (its upkeep and its groups: at a fixed pace the two grow together and cannot be told apart); N samplers
+    offer ``x_1`` groups/s each; a version every ``groups_per_version`` groups, which every sampler rebuilds."""
+
+    h: float
+    c_v: float
+    t: float
+    x_1: float
+    groups_per_version: float
+
+    def throughput(self, n: float, cores: float, procs: int) -> float:
+        """Accepted groups/s: what N samplers offer, unless the CPU needed to rebuild every version on N hosts
+        (trainer included) is more than ``cores``, or more than one core in one of the ``procs`` sampler processes."""
+        per_version = n * self.c_v / self.groups_per_version  # the samplers' CPU-s per accepted group, in rebuilds
+        by_cpu = (cores - n * (self.h + self.t)) / per_version if per_version > 0 else float("inf")
+        by_procs = (procs - n * self.h) / per_version if per_version > 0 else float("inf")
+        return max(0.0, min(n * self.x_1, by_cpu, by_procs))
+
+    def saturation(self, cores: float, per_proc: int) -> float:
+        """The first N whose throughput falls short of what it offers (the knee of X(N)), to 0.1 sampler."""
+        n = 1.0
+        while n < 4096 and self.throughput(n, cores, -(-int(n) // per_proc)) >= 0.999 * n * self.x_1:
+            n += 0.1
+        return n
 
 
-def saturation(x1: float, a: float, b: float, cores: float) -> float:
-    """The N where N samplers' supply (x1 groups/s each) meets what ``cores`` can process at a + b N CPU-seconds
-    per group: x1 b N^2 + x1 a N - cores = 0."""
-    if b <= 0:
-        return cores / (x1 * a)
-    return (-x1 * a + (x1 * x1 * a * a + 4 * x1 * b * cores) ** 0.5) / (2 * x1 * b)
+def fit_capacity(runs: list[dict[str, Any]], x_1: float) -> Capacity:
+    """Least squares over ``runs`` (unsaturated ones: every rebuild there is a rebuild a real sampler pays):
+    sampler cores / N = h + c_v x installs/s / N, and trainer cores / N = t."""
+    h, c_v = fit_line([r["installs_per_s"] / r["n"] for r in runs], [r["sampler_cores"] / r["n"] for r in runs])
+    t = statistics.fmean(r["trainer_cores"] / r["n"] for r in runs)
+    return Capacity(h, c_v, t, x_1, GROUPS_PER_VERSION)
+
+
+def free_cores(r: dict[str, Any]) -> float:
+    """The cores the swarm could have had: the box's, less what other jobs used during its window."""
+    return r["cores"] - max(0.0, r["machine_busy"] - r["swarm_cores"])
+
+
+def usable(results: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], float]:
+    """The runs with accepted groups, the unsaturated ones among them (at least 90% of their offer accepted), and
+    x_1, groups/s per sampler at the smallest N (its samplers short of nothing)."""
+    versions = {r["n"]: r["steps"] / TRAINER["publish_every"] / r["seconds"] for r in results}  # older results
+    ok = [{**r, "installs_per_s": r.get("installs_per_s", r["n"] * versions[r["n"]])} for r in results]
+    ok = [r for r in ok if r["groups_per_s"] > 0]
+    x_1 = ok[0]["groups_per_s"] / ok[0]["n"] if ok else float("nan")
+    return ok, [r for r in ok if r["groups_per_s"] >= 0.9 * r["n"] * x_1], x_1
 
 
 def capacity_check(results: list[dict[str, Any]]) -> list[str]:
-    """The model of docs/capacity.md section 6 fitted to these runs, and its predictions against the measurements."""
-    ok = [r for r in results if r["groups_per_s"] > 0]
+    """The model of docs/capacity.md section 6 fitted to the unsaturated runs, its prediction at every N (that N
+    left out of the fit), and its saturation point against the measured one."""
+    ok, unsaturated, x_1 = usable(results)
     if len(ok) < 3:
         return ["capacity check: fewer than 3 N with accepted groups"]
-    ns = [float(r["n"]) for r in ok]
-    xs = [r["groups_per_s"] for r in ok]
-    per_group = [(r["trainer_cores"] + r["sampler_cores"]) / r["groups_per_s"] for r in ok]
-    a, b = fit_line(ns, per_group)
-    x1 = xs[0] / ns[0]  # the smallest N: its samplers not short of CPU
-    cores = statistics.median(r["trainer_cores"] + r["sampler_cores"] for r in ok)
-    c_g, c_p = fit_two(xs, ns, [r["trainer_cores"] for r in ok])
-    r0, m_p = fit_line([float(r["trainer_connections"]) for r in ok], [r["trainer_rss_mb"] for r in ok])
-    best = max(ok, key=lambda r: r["groups_per_s"])
+    if len(unsaturated) < 2:
+        return ["capacity check: fewer than 2 unsaturated N to fit the model on"]
+    model = fit_capacity(unsaturated, x_1)
+    per_proc = max(-(-r["n"] // r["procs"]) for r in ok)
+    cores = statistics.median(free_cores(r) for r in ok)
     lines = [
-        "capacity check (docs/capacity.md, section 6): CPU-seconds per accepted group, trainer and samplers, "
-        f"c(N) = {a * 1e3:.1f} ms + {b * 1e3:.3f} ms x N; x_1 = {x1:.2f} groups/s per sampler (N={ns[0]:.0f}); "
-        f"the swarm's median CPU share C = {cores:.2f} cores",
-        f"trainer: {c_g * 1e3:.1f} ms CPU per group + {c_p * 1e3:.2f} ms CPU/s per connected peer; RSS "
-        f"{r0:.0f} MB + {m_p * 1024:.0f} KB per connection",
+        "capacity check (docs/capacity.md, section 6), fitted on the unsaturated N "
+        f"({', '.join(str(r['n']) for r in unsaturated)}): per sampler host h = {model.h * 1e3:.1f} ms CPU/s + "
+        f"c_v = {model.c_v * 1e3:.0f} ms CPU per version rebuilt; trainer t = {model.t * 1e3:.2f} ms CPU/s per "
+        f"sampler; x_1 = {x_1:.3f} groups/s per sampler; a version every "
+        f"{model.groups_per_version:.0f} groups",
     ]
-    for i, (r, n, x) in enumerate(zip(ok, ns, xs, strict=True)):
-        c_here = r["trainer_cores"] + r["sampler_cores"]
-        a_o, b_o = fit_line(ns[:i] + ns[i + 1 :], per_group[:i] + per_group[i + 1 :])  # this N left out of the fit
-        pred = min(n * x1, c_here / (a_o + b_o * n))
-        lines.append(f"  N={n:4.0f}: measured {x:6.2f} groups/s, predicted min(N x_1, C_N / c(N)) = {pred:6.2f} "
-                     f"({pred / x:.2f}x; c(N) fitted without this N; C_N = {c_here:.2f} cores)")  # fmt: skip
-    n_sat = saturation(x1, a, b, cores)
+    for r in ok:
+        fit_on = [u for u in unsaturated if u["n"] != r["n"]]
+        m = fit_capacity(fit_on, x_1) if len(fit_on) >= 2 else model
+        note = "" if len(fit_on) >= 2 else " (in the fit: too few other unsaturated N to leave it out)"
+        pred = m.throughput(r["n"], free_cores(r), r["procs"])
+        lines.append(
+            f"  N={r['n']:4d} ({r['procs']} procs, {free_cores(r):.2f} free cores): measured "
+            f"{r['groups_per_s']:6.2f} groups/s of {r['n'] * x_1:.2f} offered, predicted {pred:6.2f} "
+            f"({pred / r['groups_per_s']:.2f}x){note}"
+        )
+    n_sat = model.saturation(cores, per_proc)
+    short = [r["n"] for r in ok if r["groups_per_s"] < 0.9 * r["n"] * x_1]
+    below = [r["n"] for r in unsaturated]
+    bracket = short and any(n < min(short) for n in below)
+    measured = (f"between N={max(n for n in below if n < min(short))} and N={min(short)} (the first N under 90% "
+                "of its offer)") if bracket else "not bracketed by these N"  # fmt: skip
     lines.append(
-        f"  saturation: predicted N_sat = {n_sat:.1f} samplers at {n_sat * x1:.1f} groups/s; measured: throughput "
-        f"peaks at N={best['n']} ({best['groups_per_s']:.2f} groups/s)"
+        f"  saturation ({cores:.2f} free cores, {per_proc} samplers per process): predicted N_sat = {n_sat:.1f} "
+        f"samplers ({n_sat * x_1:.2f} groups/s); measured {measured}"
     )
     return lines
 
@@ -785,6 +833,14 @@ def plot(results: list[dict[str, Any]]) -> None:
     ax[0].plot(ns, [r["trainer_cores"] for r in results], "s--", label="trainer cores")
     ax[0].plot(ns, [r["verify_per_s"] for r in results], "^--", label="verification s/s")
     ax[0].plot(ns, [r["machine_busy"] for r in results], "k:", label="machine busy cores")
+    ok, unsaturated, x_1 = usable(results)
+    if len(unsaturated) >= 2:
+        model = fit_capacity(unsaturated, x_1)
+        per_proc = max(-(-r["n"] // r["procs"]) for r in ok)
+        cores = statistics.median(free_cores(r) for r in ok)
+        grid = [2 ** (i / 8) for i in range(8, 8 * 10 + 1) if 2 ** (i / 8) <= 2 * max(ns)]
+        model_x = [model.throughput(n, cores, -(-int(n) // per_proc)) for n in grid]
+        ax[0].plot(grid, model_x, "-", color="gray", alpha=0.6, label="model: accepted groups/s")
     ax[0].set_title("throughput and where it goes")
     ax[1].plot(ns, [r["trainer_cpu_per_group"] * 1e3 for r in results], "o-", label="trainer ms CPU/group")
     ax[1].plot(ns, [r["lag_p99_ms"] for r in results], "s-", label="trainer loop lag p99 (ms)")

@@ -1,0 +1,39 @@
+"""The capacity model of docs/capacity.md section 6 (bench/swarm_scale.py): fitted on unsaturated runs it recovers
+the per-host, per-version and trainer costs that made them, and its knee is where the CPU runs out."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.swarm_scale import GROUPS_PER_VERSION, Capacity, fit_capacity
+
+TRUE = Capacity(h=0.015, c_v=0.25, t=0.002, x_1=0.25, groups_per_version=GROUPS_PER_VERSION)
+
+
+def run(n: int) -> dict[str, float]:
+    """What an unsaturated bench window at N measures if the model is the truth."""
+    x = n * TRUE.x_1
+    installs = n * x / GROUPS_PER_VERSION
+    return {"n": n, "groups_per_s": x, "installs_per_s": installs,
+            "sampler_cores": n * TRUE.h + installs * TRUE.c_v, "trainer_cores": n * TRUE.t}  # fmt: skip
+
+
+def test_fit_recovers_the_costs_of_unsaturated_runs():
+    fitted = fit_capacity([run(8), run(16), run(24)], TRUE.x_1)
+    assert fitted.h == pytest.approx(TRUE.h)
+    assert fitted.c_v == pytest.approx(TRUE.c_v)
+    assert fitted.t == pytest.approx(TRUE.t)
+
+
+def test_throughput_meets_the_offer_below_the_knee_and_falls_short_past_it():
+    cores, per_proc = 2.0, 16
+    knee = TRUE.saturation(cores, per_proc)
+    below, above = int(knee) - 1, int(knee) + 2
+    assert TRUE.throughput(below, cores, -(-below // per_proc)) == pytest.approx(below * TRUE.x_1)
+    past = TRUE.throughput(above, cores, -(-above // per_proc))
+    assert past < above * TRUE.x_1
+    # past the knee the CPU is all used: samplers' upkeep and rebuilds plus the trainer fill the cores
+    used = above * (TRUE.h + TRUE.t) + above * past / GROUPS_PER_VERSION * TRUE.c_v
+    assert used == pytest.approx(cores)
+    # one process of 16 hosts holds at most one core: with more per process the knee comes earlier
+    assert TRUE.saturation(cores, 64) < knee
