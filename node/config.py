@@ -120,9 +120,13 @@ class SwarmSettings:
         parse=parse_peer_id,
         metavar="PEER_ID",
     )
-    provide_interval: float = knob(30.0, "seconds between DHT re-provides")
+    provide_interval: float = knob(
+        30.0, "seconds between DHT re-provides at first (doubling while they succeed, up to 20x)"
+    )
     discover_interval: float = knob(
-        2.0, "seconds between a sampler's DHT lookups of the trainer and of other samplers (4x once it has the trainer)"
+        2.0,
+        "seconds between a sampler's DHT lookups of the trainer and of other samplers (4x once it has the trainer, "
+        "doubling while lookups find no one new, up to 30x)",
     )
     bootstrap_timeout: float = knob(20.0, "seconds a trainer or sampler tries to reach a bootstrap peer before exiting")
     status_interval: float = knob(5.0, "seconds between status.json writes")

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Protocol, TypeVar
 
 import trio
-from libp2p.abc import IHost
+from libp2p.abc import IHost, INetConn, INetStream, INetwork, INotifee
 from libp2p.kad_dht.kad_dht import KadDHT
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
@@ -90,17 +90,34 @@ def role_cid(swarm_name: str, role: str) -> str:
     return dht_key(role_key(swarm_name, role))
 
 
+PROVIDE_CAP = 20  # x interval: the longest between re-provides of a settled record (10 min at the default 30 s)
+
+
+def next_provide(interval: float, provided: int) -> float:
+    """Seconds until the next re-provide after ``provided`` provides in a row reached some peer (0: the last one
+    failed: again soon). Each provide is a DHT walk plus ADD_PROVIDER streams to the k = 20 closest peers: every
+    host doing that every 30 s was, with the lookups, a large part of a sampler's upkeep at N = 32-64
+    (bench/swarm_scale). Records live 48 h in py-libp2p (go-libp2p re-provides every 22 h); re-providing often
+    matters while the swarm is young and its closest peers to a key still change, so the interval doubles from
+    ``interval`` up to ``PROVIDE_CAP`` x."""
+    if provided <= 0:
+        return min(interval, 2.0)
+    return min(PROVIDE_CAP * interval, interval * 2 ** min(provided - 1, 16))
+
+
 async def provide_forever(swarm: DhtNode, key: str, interval: float) -> None:
-    """Re-provide the readable role key ``key`` (stored under ``dht_key(key)``) on an interval, faster until the
-    first announcement reached some peer."""
+    """Provide the readable role key ``key`` (stored under ``dht_key(key)``) now and again on ``next_provide``'s
+    schedule."""
     cid = dht_key(key)
+    provided = 0
     while True:
         try:
             ok = await swarm.dht.provide(cid)
         except Exception as exc:
             log.debug("provide %s (%s) failed: %s", key, cid, exc)
             ok = False
-        await trio.sleep(interval if ok else min(interval, 2.0))
+        provided = provided + 1 if ok else 0
+        await trio.sleep(next_provide(interval, provided))
 
 
 async def _ask_trusted(swarm: DhtNode, cid: str) -> list[PeerInfo]:
@@ -187,9 +204,19 @@ def trainer_step(found: bool, connected: bool) -> str:
     return "find"
 
 
-def next_look(trainer_found: bool, interval: float) -> float:
-    """Seconds until discovery looks again (sooner when told the trainer is lost): often while searching."""
-    return interval if not trainer_found else 4 * interval
+QUIET_CAP = 30  # x interval: the longest a sampler with nothing to learn waits between looks (60 s at 2 s)
+
+
+def next_look(trainer_found: bool, interval: float, quiet: int = 0) -> float:
+    """Seconds until discovery looks again (it wakes at once when the trainer or a sampler connection is lost):
+    every ``interval`` while it searches for the trainer; with the trainer, 4x that, doubled for each look in a row
+    that found the mesh settled and taught it nothing (``quiet``: see ``mesh_settled``), up to ``QUIET_CAP`` x.
+    N samplers asking the DHT every 8 s forever was N/8 lookups/s of the swarm's upkeep (bench/swarm_scale) for a
+    list that changes only when samplers join or leave, and a newcomer dials those it finds: the others need not
+    look for it (go-libp2p's backoff discovery does the same)."""
+    if not trainer_found:
+        return interval
+    return min(QUIET_CAP * interval, 4 * interval * 2 ** min(quiet, 8))
 
 
 def trusted_providers(found: Sequence[PeerInfo], trainer_id: ID) -> tuple[list[PeerInfo], list[PeerInfo]]:
@@ -231,6 +258,25 @@ def sampler_dials(
     return known, [p for p in free if p in chosen]
 
 
+GONE_AFTER = 3  # failed dials in a row after which a listed sampler counts as gone (records outlive peers: 48 h)
+
+
+def mesh_settled(
+    listed: Sequence[P],
+    me: P,
+    connected: Collection[P],
+    failures: Mapping[str, int],
+    have: int,
+    degree: int = SAMPLER_DEGREE,
+) -> bool:
+    """Whether a sampler's mesh is as full as the DHT's list allows: it holds ``degree`` sampler connections, or
+    every listed sampler is connected or has failed ``GONE_AFTER`` dials in a row (by ``str(peer)``). Only then may
+    discovery back off (``next_look``): a partitioned or still-growing mesh keeps looking at the base rate."""
+    if have >= degree:
+        return True
+    return all(p == me or p in connected or failures.get(str(p), 0) >= GONE_AFTER for p in listed)
+
+
 class SamplerDiscovery:
     """A sampler's place in the swarm: the trusted trainer found (first where it was last reached, else through
     the DHT) and kept connected, and every sampler the DHT lists connected to, new ones and those whose connection
@@ -249,16 +295,24 @@ class SamplerDiscovery:
         self.trainer_addrs: list[Multiaddr] = read_trainer_addrs(remember, trainer_id) if remember else []
         self.samplers: set[str] = set()  # every sampler the DHT listed that we have been connected to
         self._redial_at: dict[str, tuple[float, int]] = {}  # sampler -> (not before, failures): dial backoff
-        self._lost = trio.Event()  # set when the trainer is lost: the loop wakes to look at once
+        self._wake = trio.Event()  # set when the trainer or a sampler connection is lost: the loop looks at once
+        self.quiet = 0  # looks in a row that taught us nothing (next_look backs off)
 
     def lost_trainer(self) -> None:
         """The trainer stopped answering (it may have restarted, or moved): find it again, now."""
         self.trainer_found = trio.Event()
-        self._lost.set()
+        self._wake.set()
+
+    def lost_connection(self, peer: ID, still_connected: bool) -> None:
+        """A connection closed: when it was our last to a sampler we know, look (and redial) now."""
+        if str(peer) in self.samplers and not still_connected:
+            self.quiet = 0
+            self._wake.set()
 
     async def run(self, swarm: DialingNode) -> None:
+        swarm.host.get_network().register_notifee(_Disconnects(self))
         while True:
-            self._lost = trio.Event()
+            self._wake = trio.Event()
             connected = self.trainer_id in swarm.host.get_connected_peers()
             step = trainer_step(self.trainer_found.is_set(), connected)
             if step == "adopt":
@@ -267,11 +321,15 @@ class SamplerDiscovery:
                 await self.find_trainer(swarm)
             elif not self.trainer_addrs:  # adopted before identify said where it listens: take them once it has
                 self.remember_trainer(self._listed_trainer_addrs(swarm))
-            await self.connect_samplers(swarm)
-            with trio.move_on_after(next_look(self.trainer_found.is_set(), self.interval)):
-                await self._lost.wait()
+            unsettled = await self.connect_samplers(swarm)
+            self.quiet = 0 if unsettled else self.quiet + 1
+            with trio.move_on_after(next_look(self.trainer_found.is_set(), self.interval, self.quiet)):
+                await self._wake.wait()
 
-    async def connect_samplers(self, swarm: DialingNode) -> None:
+    async def connect_samplers(self, swarm: DialingNode) -> bool:
+        """Dial the samplers the DHT lists, up to our degree; whether looking again soon could help (see
+        ``mesh_settled``)."""
+        before = len(self.samplers)
         listed = {info.peer_id: info for info in await find_role(swarm, role_key(self.swarm_name, "sampler"))}
         now = trio.current_time()
         not_before = {k: at for k, (at, _) in self._redial_at.items()}
@@ -291,6 +349,10 @@ class SamplerDiscovery:
                 log.debug("cannot reach sampler %s: %s", peer, exc)
         if len(self._redial_at) > 10_000:
             self._redial_at.clear()
+        connected = set(swarm.host.get_connected_peers())
+        have = sum(1 for p in connected if str(p) in self.samplers)
+        failures = {k: n for k, (_, n) in self._redial_at.items()}
+        return len(self.samplers) > before or not mesh_settled(list(listed), swarm.peer_id, connected, failures, have)
 
     async def find_trainer(self, swarm: DialingNode) -> None:
         if await self.redial_trainer(swarm):
@@ -353,3 +415,29 @@ class SamplerDiscovery:
         self.trainer_found_by["last_addresses"] += 1
         self.trainer_found.set()
         return True
+
+
+class _Disconnects(INotifee):
+    """Tells discovery when a connection closes (the host's other events are not its business)."""
+
+    def __init__(self, discovery: SamplerDiscovery) -> None:
+        self.discovery = discovery
+
+    async def disconnected(self, network: INetwork, conn: INetConn) -> None:
+        peer = conn.muxed_conn.peer_id
+        self.discovery.lost_connection(peer, bool(network.get_connections(peer)))
+
+    async def connected(self, network: INetwork, conn: INetConn) -> None:
+        pass
+
+    async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
+        pass
+
+    async def closed_stream(self, network: INetwork, stream: INetStream) -> None:
+        pass
+
+    async def listen(self, network: INetwork, multiaddr: Multiaddr) -> None:
+        pass
+
+    async def listen_close(self, network: INetwork, multiaddr: Multiaddr) -> None:
+        pass

@@ -18,6 +18,26 @@ def test_the_trainer_is_looked_for_until_found_and_whenever_its_connection_is_go
     assert discovery.next_look(False, 3.0) == 3.0 and discovery.next_look(True, 3.0) == 12.0
 
 
+def test_a_sampler_that_learns_nothing_looks_ever_less_often_up_to_a_cap():
+    """N samplers each asking the DHT every 8 s forever was N/8 lookups/s of upkeep (bench/swarm_scale)."""
+    waits = [discovery.next_look(True, 2.0, quiet) for quiet in range(8)]
+    assert waits[:4] == [8.0, 16.0, 32.0, 60.0]
+    assert max(waits) == discovery.QUIET_CAP * 2.0 == 60.0
+    assert discovery.next_look(False, 2.0, 7) == 2.0  # searching for the trainer: no backoff
+
+
+def test_losing_the_last_connection_to_a_known_sampler_wakes_discovery_at_once():
+    d = discovery.SamplerDiscovery("test", ID(b"trainer"), 2.0)
+    known, stranger = ID(b"known"), ID(b"stranger")
+    d.samplers.add(str(known))
+    d.quiet = 5
+    d.lost_connection(stranger, still_connected=False)  # not a sampler we dialled through discovery
+    d.lost_connection(known, still_connected=True)  # another connection to it remains
+    assert not d._wake.is_set() and d.quiet == 5
+    d.lost_connection(known, still_connected=False)
+    assert d._wake.is_set() and d.quiet == 0
+
+
 def test_only_the_trusted_trainers_provider_records_are_followed():
     trainer, impostor = ID(b"trainer"), ID(b"impostor")
     found = [PeerInfo(impostor, []), PeerInfo(trainer, []), PeerInfo(impostor, [])]
@@ -58,3 +78,18 @@ def test_the_trainers_last_addresses_outlive_the_process_and_a_bad_file_is_ignor
         assert discovery.read_trainer_addrs(path, trainer) == [], damaged
     path.write_bytes(b"\xff\xfe\x00")
     assert discovery.read_trainer_addrs(path, trainer) == []
+
+
+def test_a_record_that_reached_peers_is_re_provided_ever_less_often_up_to_a_cap():
+    waits = [discovery.next_provide(30.0, provided) for provided in range(1, 9)]
+    assert waits[:5] == [30.0, 60.0, 120.0, 240.0, 480.0]
+    assert max(waits) == discovery.PROVIDE_CAP * 30.0 == 600.0
+    assert discovery.next_provide(30.0, 0) == 2.0  # the last provide reached no one: again soon
+
+
+def test_the_mesh_is_settled_when_full_or_when_every_listed_sampler_is_connected_or_gone():
+    listed = ["me", "a", "b", "c"]
+    assert discovery.mesh_settled(listed, "me", {"a", "b", "c"}, {}, have=3)
+    assert not discovery.mesh_settled(listed, "me", {"a", "b"}, {"c": 2}, have=2)  # c may come back: keep looking
+    assert discovery.mesh_settled(listed, "me", {"a", "b"}, {"c": discovery.GONE_AFTER}, have=2)  # c is gone
+    assert discovery.mesh_settled(listed, "me", {"a"}, {}, have=1, degree=1)  # full: no more dials wanted
