@@ -387,6 +387,18 @@ def samplers_main(args: argparse.Namespace) -> None:
             finds.clear()
             await trio.sleep(2.0)
 
+    async def profile(start: float, seconds: float) -> None:
+        """cProfile this process's event loop (not the engine's thread) for ``seconds`` after ``start``: where a
+        sampler host's upkeep goes. Only for a profiling run: cProfile slows what it watches."""
+        import cProfile
+
+        await trio.sleep(start)
+        prof = cProfile.Profile()
+        prof.enable()
+        await trio.sleep(seconds)
+        prof.disable()
+        prof.dump_stats(str(root / f"profile-{args.first}.prof"))
+
     nursery_ref: list[Any] = []
 
     async def main() -> None:
@@ -398,6 +410,8 @@ def samplers_main(args: argparse.Namespace) -> None:
             nursery.start_soon(watch)
             nursery.start_soon(report)
             nursery.start_soon(dht_probe)
+            if args.profile and args.first == 0:
+                nursery.start_soon(profile, *args.profile)
             for i, name in enumerate(names):
                 nursery.start_soon(one, name, i * args.stagger)
 
@@ -437,8 +451,9 @@ class Run:
         for p in range(k):
             first, count = p * n // k, (p + 1) * n // k - p * n // k
             stagger = args.join_seconds / max(1, count)  # every process joins its identities over join_seconds
+            profile = ["--profile", *map(str, args.profile)] if args.profile else []
             spawn(f"samplers{p}", "samplers", "--first", str(first), "--count", str(count), "--stagger", f"{stagger}",
-                  "--pace", str(args.pace))  # fmt: skip
+                  "--pace", str(args.pace), *profile)  # fmt: skip
         self.k = k
 
     def _wait_file(self, path: Path, timeout: float) -> None:
@@ -871,6 +886,7 @@ def main() -> None:
         p.add_argument("--count", type=int, default=1)
         p.add_argument("--stagger", type=float, default=0.1)
         p.add_argument("--pace", type=float, default=0.0)
+        p.add_argument("--profile", type=float, nargs=2)
     ap.add_argument("--n", type=int, nargs="+", default=[16, 64, 256])
     ap.add_argument("--per-proc", type=int, default=32, help="sampler identities per process")
     ap.add_argument("--window", type=float, default=60.0, help="seconds of steady state measured per N")
@@ -880,6 +896,9 @@ def main() -> None:
     ap.add_argument("--pace", type=float, default=0.0,
                     help="seconds one sampler takes per group at the least (an emulated machine's speed; 0: as fast "
                     "as this box's share allows)")  # fmt: skip
+    ap.add_argument("--profile", type=float, nargs=2, metavar=("START", "SECONDS"),
+                    help="cProfile the first sampler process's loop for SECONDS from START s after it starts "
+                    "(runs/swarm_scale/n<N>/profile-0.prof; it slows that process: not for measured runs)")  # fmt: skip
     ap.add_argument("--no-write", action="store_true", help="print only (a smoke run)")
     ap.add_argument("--merge", action="store_true", help="keep the other N's results already in the results file")
     args = ap.parse_args()
