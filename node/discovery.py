@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Protocol, TypeVar
 
 import trio
-from libp2p.abc import IHost, INetConn, INetStream, INetwork, INotifee
+from libp2p.abc import IHost, INetConn, INetwork
 from libp2p.kad_dht.kad_dht import KadDHT
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
@@ -35,6 +35,7 @@ from libp2p.peer.peerstore import PeerStoreError
 from multiaddr import Multiaddr
 
 from node.libp2p import providers_from_peer
+from node.libp2p.conns import Notifee
 from node.libp2p.nat import is_relayed_addr
 
 log = logging.getLogger(__name__)
@@ -417,7 +418,7 @@ class SamplerDiscovery:
         return True
 
 
-class _Disconnects(INotifee):
+class _Disconnects(Notifee):
     """Tells discovery when a connection closes (the host's other events are not its business)."""
 
     def __init__(self, discovery: SamplerDiscovery) -> None:
@@ -426,18 +427,3 @@ class _Disconnects(INotifee):
     async def disconnected(self, network: INetwork, conn: INetConn) -> None:
         peer = conn.muxed_conn.peer_id
         self.discovery.lost_connection(peer, bool(network.get_connections(peer)))
-
-    async def connected(self, network: INetwork, conn: INetConn) -> None:
-        pass
-
-    async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
-        pass
-
-    async def closed_stream(self, network: INetwork, stream: INetStream) -> None:
-        pass
-
-    async def listen(self, network: INetwork, multiaddr: Multiaddr) -> None:
-        pass
-
-    async def listen_close(self, network: INetwork, multiaddr: Multiaddr) -> None:
-        pass

@@ -13,12 +13,12 @@ import os
 import secrets
 from pathlib import Path
 
-from libp2p.abc import IHost, INetConn, INetStream, INetwork, INotifee
+from libp2p.abc import IHost, INetConn, INetStream, INetwork
 from libp2p.peer.id import ID
-from multiaddr import Multiaddr
 
 from node.errors import UserError
 from node.libp2p import inbound_stream_entry
+from node.libp2p.conns import Notifee
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def load_swarm_key(path: Path) -> str:
     return key.lower()
 
 
-class PeerGate(INotifee):
+class PeerGate(Notifee):
     """Closes connections and resets streams from peers outside the allow-list (None: everyone is allowed)."""
 
     def __init__(self, allowed: frozenset[ID] | None) -> None:
@@ -100,18 +100,3 @@ class PeerGate(INotifee):
                 await conn.close()
             except Exception as exc:
                 log.debug("closing %s failed: %s", peer, exc)
-
-    async def disconnected(self, network: INetwork, conn: INetConn) -> None:
-        pass
-
-    async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
-        pass
-
-    async def closed_stream(self, network: INetwork, stream: INetStream) -> None:
-        pass
-
-    async def listen(self, network: INetwork, multiaddr: Multiaddr) -> None:
-        pass
-
-    async def listen_close(self, network: INetwork, multiaddr: Multiaddr) -> None:
-        pass

@@ -30,12 +30,13 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import trio
-from libp2p.abc import INetConn, INetStream, INetwork
+from libp2p.abc import INetConn, INetStream, INetwork, INotifee
 from libp2p.metrics.swarm import SwarmEvent
 from libp2p.network.config import ConnectionConfig
 from libp2p.network.swarm import Swarm
 from libp2p.peer.id import ID
 from libp2p.rcmgr import Direction
+from multiaddr import Multiaddr
 
 log = logging.getLogger(__name__)
 
@@ -221,3 +222,26 @@ def remote_ip(obj: Any) -> str | None:
 def network_of(stream: Any) -> Any:
     """The network (py-libp2p ``Swarm``) a stream belongs to, or None (a stream not opened by a swarm)."""
     return getattr(getattr(stream, "swarm_conn", None), "swarm", None)
+
+
+class Notifee(INotifee):
+    """A network notifee that ignores every event: subclasses override the ones they need (the library's
+    interface makes each implement all six)."""
+
+    async def connected(self, network: INetwork, conn: INetConn) -> None:
+        pass
+
+    async def disconnected(self, network: INetwork, conn: INetConn) -> None:
+        pass
+
+    async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
+        pass
+
+    async def closed_stream(self, network: INetwork, stream: INetStream) -> None:
+        pass
+
+    async def listen(self, network: INetwork, multiaddr: Multiaddr) -> None:
+        pass
+
+    async def listen_close(self, network: INetwork, multiaddr: Multiaddr) -> None:
+        pass
