@@ -236,6 +236,9 @@ class ConnManager(INotifee):
         self._seen: dict[int, list[float]] = {}  # id(connection) -> [opened, last_active]
         self._closing: set[int] = set()
         self._pruned_at: dict[str, float] = {}  # address (first group) -> when a connection of it was pruned
+        # peer -> when we hung up on it for an oversized frame: no connection of ours to it for the cooldown (the
+        # DHT or a reachability check dialled it straight back, and the hang-up did not hold)
+        self._hung_up: dict[str, float] = {}
         self.counts: Counter[str] = Counter()
         self._nursery: trio.Nursery | None = None  # while running(): closes started from synchronous callbacks
 
@@ -310,6 +313,9 @@ class ConnManager(INotifee):
         now = trio.current_time()
         self._seen[id(conn)] = [now, now]
         if not mech.is_inbound(conn):
+            if cooling(str(conn.muxed_conn.peer_id), self._hung_up, now, self.limits.cooldown):
+                self.counts["closed_dial_to_hung_up"] += 1
+                await _close(conn)
             return
         newcomer = self._conn(conn, now)
         others = [c for c in self._view(now) if c.key != newcomer.key]
@@ -450,12 +456,17 @@ class ConnManager(INotifee):
             return
         self.counts["hung_up_oversized"] += 1
         self._cool(mech.remote_ip(conn.muxed_conn))
-        if id(conn) in self._closing or self._nursery is None:
+        if len(self._hung_up) >= MAX_COOLING:
+            self._hung_up.clear()
+        self._hung_up[str(peer)] = trio.current_time()
+        if self._nursery is None:
             return
         log.log(logging.INFO if self.counts["hung_up_oversized"] == 1 else logging.DEBUG,
                 "closing %s: it announced a frame over its protocol's limit", peer)  # fmt: skip
-        self._closing.add(id(conn))
-        self._nursery.start_soon(self._close_flooder, conn)
+        for other in [conn, *(c for c in self._network.get_connections(peer) if c is not conn)]:
+            if id(other) not in self._closing:
+                self._closing.add(id(other))
+                self._nursery.start_soon(self._close_flooder, other)
 
     async def _close_flooder(self, conn: INetConn) -> None:
         try:

@@ -104,3 +104,38 @@ async def test_a_peer_announcing_an_oversized_frame_is_hung_up_on_and_its_addres
         assert server.conns.counts["hung_up_oversized"] == 1
         assert not await connect_from(stack, where, "127.0.0.2")  # its address cools down
         assert await connect_from(stack, where, "127.0.0.3")  # another address is served
+
+
+async def test_a_peer_hung_up_on_is_not_dialled_back_during_its_cooldown():
+    """Burner run i2: after the hang-up the trainer's own dial (its DHT or a reachability check) connected it to the
+    flooder again at once, so the hang-up did not hold. Our dials to a peer we hung up on are closed for the
+    cooldown; the peer may still come back by dialling in (its address's cooldown governs that)."""
+    from libp2p.peer.peerinfo import info_from_p2p_addr
+
+    from node.rpc import serve
+    from protocols.framing import HEADER, FrameReader
+
+    limits = ConnLimits(cooldown=60.0)  # loopback is exempt from address cooldowns: only the peer's id counts here
+    async with (
+        open_swarm(create_new_key_pair(), LISTEN, conns=limits) as server,
+        open_swarm(create_new_key_pair(), LISTEN) as flooder,
+    ):
+
+        async def echo(message, peer):
+            return {"v": 1, "t": "ok"}
+
+        server.host.set_stream_handler("/test/echo/1", serve("echo", echo, max_request=4096, max_reply=4096))
+        with trio.fail_after(10 * slowdown()):
+            await flooder.connect(info_from_p2p_addr(server.addrs()[0]))
+            stream = await flooder.host.new_stream(server.peer_id, ["/test/echo/1"])
+            await stream.write(HEADER.pack(1 << 20))
+            await FrameReader(stream).read_body(4096)
+        await wait_until(lambda: not server.host.get_network().get_connections(flooder.peer_id), 10, what="hang-up")
+        try:
+            await server.connect(info_from_p2p_addr(flooder.addrs()[0]))  # our own dial back to it
+        except Exception:
+            pass  # closed under the dialler, or refused: either way no connection stays
+        await wait_until(lambda: server.conns.counts["closed_dial_to_hung_up"] >= 1, 10, what="the dial closed")
+        await wait_until(lambda: not flooder.host.get_network().get_connections(server.peer_id), 10, what="no conn")
+        await flooder.connect(info_from_p2p_addr(server.addrs()[0]))  # it may dial in again
+        assert server.host.get_network().get_connections(flooder.peer_id)
