@@ -47,6 +47,9 @@ mechanics in node/libp2p/nat.py; measured in tests/test_nat.py and tests/test_li
 - dcutr-both-ends: DCUtR's auto-drive starts a hole punch from *both* ends of every relayed connection at once;
   two sessions then race for the same source port. ``HolePunch.should_drive`` lets one end drive (the lower peer
   id), like the spec's "the peer that accepted the relayed connection".
+- dcutr-stream-no-deadline: DCUtR opens its stream with no deadline; over a relayed connection gone quiet it waited
+  9 minutes in the NAT lab, the pair marked in progress and given no other attempt. ``HolePuncher`` bounds each
+  attempt (``PUNCH_DEADLINE``) and counts one that runs out as failed.
 - ``CircuitV2Transport.dial`` with the CLIENT role reserves a slot at the relay before every dial; dials here use
   a transport without that role, and reservations are made only by a private node for itself.
 """

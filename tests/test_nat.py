@@ -162,6 +162,39 @@ async def test_a_pair_that_stays_relayed_gets_a_fresh_hole_punch_budget_after_a_
         assert a.reach.status()["hole_punches"]["retries"] == 1
 
 
+async def test_a_hole_punch_whose_stream_never_opens_is_given_up_and_the_pair_freed(mock_clock, monkeypatch):
+    """Upstream opens the DCUtR stream with no deadline (patch dcutr-stream-no-deadline): over a relayed connection
+    gone quiet it waited 9 minutes in the NAT lab, and the pair, marked in progress, got no other attempt. Each
+    attempt now ends within PUNCH_DEADLINE, counted as failed, and the pair may be tried again."""
+    from node.libp2p import nat
+
+    mock_clock.rate = 1.0  # the swarm runs in real time; the deadline is jumped over
+    loop = multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")
+    async with open_swarm(create_new_key_pair(), loop, reach=ReachOptions()) as a:
+        punch, other = a.reach.punch, ID.from_pubkey(create_new_key_pair().public_key)
+
+        async def never_opens(*args, **kwargs):
+            await trio.sleep_forever()
+
+        monkeypatch.setattr(punch.host, "new_stream", never_opens)
+        done = trio.Event()
+
+        async def drive() -> None:
+            await punch._drive_one(other)
+            done.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(drive)
+            with trio.fail_after(10):
+                while other not in punch._in_progress:  # the attempt began, and waits on the stream
+                    await trio.sleep(0.01)
+            mock_clock.jump(nat.PUNCH_DEADLINE + 1)
+            with trio.fail_after(10):
+                await done.wait()
+        assert other not in punch._in_progress and punch.attempts(other) == 1
+        assert punch.failed == 1 and a.reach.status()["hole_punches"]["failed"] == 1
+
+
 @needs_lab
 @pytest.mark.slow
 def test_nat_swarm_converges_with_relays_and_hole_punching(tmp_path, tiny_model_dir):

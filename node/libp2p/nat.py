@@ -29,6 +29,9 @@ MAX_READ = 1 << 16
 DIAL_BACK_TARGETS = 4  # addresses one dial-back request may make us dial
 MAX_AUTONAT_MESSAGE = 16 << 10  # a dial request: a peer id and its addresses (upstream reads up to 64 KiB)
 AUTONAT_IO_TIMEOUT = 10.0  # to read a request, or write a reply
+# one hole-punch attempt, start to end (patch dcutr-stream-no-deadline): a healthy one takes ~25 s at most (a 10 s
+# direct dial, the CONNECT exchange, three 5 s rounds 2 s apart); upstream opens its stream with no deadline at all
+PUNCH_DEADLINE = 60.0
 
 __all__ = [
     "MAX_HOLE_PUNCH_ATTEMPTS",
@@ -297,10 +300,17 @@ class HolePuncher(DCUtRProtocol):
                 self._nursery.start_soon(self._drive_one, peer_id)
 
     async def _drive_one(self, peer_id: ID) -> None:
+        """One attempt, within ``PUNCH_DEADLINE`` (patch ``dcutr-stream-no-deadline``: upstream's stream open over a
+        relayed connection that went quiet waited 9 minutes, and the pair, marked in progress, got no other try)."""
         try:
-            await self.initiate_hole_punch(peer_id)
+            with trio.move_on_after(PUNCH_DEADLINE) as bounded:
+                await self.initiate_hole_punch(peer_id)
         except Exception as exc:
             log.debug("hole punch with %s failed: %s", peer_id, exc)
+            return
+        if bounded.cancelled_caught:
+            log.info("hole punch with %s: no end within %.0f s, given up", peer_id, PUNCH_DEADLINE)
+            self.on_punch(peer_id, False)
 
     async def _try_unilateral_upgrade(self, peer_id: ID) -> bool:
         ok = await super()._try_unilateral_upgrade(peer_id)

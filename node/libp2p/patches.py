@@ -473,6 +473,13 @@ PATCHES: tuple[Patch, ...] = (
         "tests/test_nat.py::test_nat_swarm_converges_with_relays_and_hole_punching (ours working; root only)",
     ),
     Patch(
+        "dcutr-stream-no-deadline",
+        "DCUtR opens its stream to the peer with no deadline: over a relayed connection gone quiet it waits forever",
+        "libp2p.relay.circuit_v2.dcutr.DCUtRProtocol._initiate_hole_punch_locked",
+        "node/libp2p/nat.py HolePuncher._drive_one (each attempt within PUNCH_DEADLINE)",
+        "tests/test_nat.py::test_a_hole_punch_whose_stream_never_opens_is_given_up_and_the_pair_freed",
+    ),
+    Patch(
         "dht-local-providers",
         "find_providers answers from the local provider store alone once it holds any record for the key",
         "libp2p.kad_dht.provider_store.ProviderStore.find_providers",
