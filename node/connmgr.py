@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 ROOM_WAIT = 2.0  # seconds a newcomer waits for the slot of the connection closed for it
 CLOSE_WAIT = 3.0  # seconds one close may take before we stop waiting for it
 KEEPALIVE_CHECK = 5.0  # seconds between looks at every connection's pong
-MAX_COOLING = 65_536  # pruned addresses remembered for their cooldown
+MAX_COOLING = 65_536  # pruned addresses (and peers hung up on) remembered for their cooldown
 
 
 @dataclass(frozen=True)
@@ -416,16 +416,19 @@ class ConnManager(INotifee):
     def _cool(self, ip: str | None) -> None:
         """Remember when an address had a connection pruned (bounded: expired entries go, then the oldest)."""
         key = address_key(ip, self.limits)
-        if key is None:
-            return
+        if key is not None:
+            self._remember(self._pruned_at, key)
+
+    def _remember(self, table: dict[str, float], key: str) -> None:
+        """Note ``key`` cooling from now in ``table`` (bounded: expired entries go, then the oldest)."""
         now = trio.current_time()
-        if len(self._pruned_at) >= MAX_COOLING:
-            for net in [n for n, t in self._pruned_at.items() if now - t >= self.limits.cooldown]:
-                del self._pruned_at[net]
-            while len(self._pruned_at) >= MAX_COOLING:
-                del self._pruned_at[next(iter(self._pruned_at))]
-        self._pruned_at.pop(key, None)
-        self._pruned_at[key] = now
+        if len(table) >= MAX_COOLING:
+            for old in [k for k, t in table.items() if now - t >= self.limits.cooldown]:
+                del table[old]
+            while len(table) >= MAX_COOLING:
+                del table[next(iter(table))]
+        table.pop(key, None)
+        table[key] = now
 
     def _refused_stream(self, conn: INetConn | None, peer: ID, verdict: str) -> None:
         """A stream over a cap: it is reset; over its connection's cap ("close"), its connection is closed too (no
@@ -456,9 +459,7 @@ class ConnManager(INotifee):
             return
         self.counts["hung_up_oversized"] += 1
         self._cool(mech.remote_ip(conn.muxed_conn))
-        if len(self._hung_up) >= MAX_COOLING:
-            self._hung_up.clear()
-        self._hung_up[str(peer)] = trio.current_time()
+        self._remember(self._hung_up, str(peer))
         if self._nursery is None:
             return
         log.log(logging.INFO if self.counts["hung_up_oversized"] == 1 else logging.DEBUG,
