@@ -139,6 +139,11 @@ class WeightSettings:
     upload_per_peer: float = knob(16 << 20, "bytes/s this node serves to any one peer (token bucket, 2 s burst)")
     workers_per_peer: int = knob(1, "concurrent chunk requests per peer")
     reserve_after: float = knob(3.0, "seconds before the trainer serves a chunk again that it already sent out")
+    origin_uplink_mbps: float = knob(
+        0.0,
+        "the trainer's uplink, Mbit/s: with it a small version's pieces are pushed to several samplers each, so "
+        "slow home uplinks relay less (0: unknown, one copy each)",
+    )
 
 
 TABLES: dict[str, tuple[type, ...]] = {

@@ -41,7 +41,9 @@ request round trip precedes them; each receiver relays the chunks the origin gav
   ``MAX_PUSH_BYTES`` in all, each at most the manifest's ``chunk_size``. The origin's first push to a peer also
   carries ``manifest`` (the signed manifest, as a ``get_manifest`` reply) and ``plan``: ``peers`` (at most
   ``MAX_PUSH_PEERS`` peer ids, as bytes) and ``pieces`` (at most ``MAX_PUSH_PIECES`` indices into the manifest's
-  ``all_chunks()``): piece ``k`` goes first to ``peers[k % len(peers)]``, who relays it to the other peers.
+  ``all_chunks()``): piece ``k`` goes first to ``peers[k % len(peers)]``, who relays it to the other peers; an
+  optional ``copies`` c (1 to ``len(peers)``, default 1): the origin, whose uplink is faster than the samplers',
+  also sends piece ``k`` itself to ``peers[(k - j) % len(peers)]`` for j < c, and its relayer skips those.
 - reply ``pushed`` ``{took}``: how many of the message's chunks were new here and stored.
 
 A receiver takes a chunk only of a version it chases, checked against its blake3 (a bad one is a strike), and
@@ -503,14 +505,23 @@ def parse_announce(m: dict[str, Any]) -> tuple[int, bytes]:
 @dataclass(frozen=True)
 class PushPlan:
     """Who gets each pushed chunk first from the origin: ``pieces[k]`` (an index into ``all_chunks()``) goes to
-    ``peers[k % len(peers)]``."""
+    ``peers[k % len(peers)]``, which relays it to the others; with ``copies`` c > 1 the origin also sends it itself
+    to the c - 1 peers before that one in ``peers`` (cyclically), and its relayer skips them."""
 
     peers: list[bytes]
     pieces: list[int]
+    copies: int = 1
 
     def first_holder(self) -> dict[int, bytes]:
         """Chunk index -> the peer (id bytes) the origin sends it to first."""
         return {i: self.peers[k % len(self.peers)] for k, i in enumerate(self.pieces)}
+
+    def from_origin(self) -> dict[int, frozenset[bytes]]:
+        """Chunk index -> every peer (id bytes) the origin sends it to itself (its first holder among them)."""
+        n = len(self.peers)
+        return {
+            i: frozenset(self.peers[(k - j) % n] for j in range(min(self.copies, n))) for k, i in enumerate(self.pieces)
+        }
 
 
 @dataclass(frozen=True)
@@ -532,6 +543,8 @@ def push(
         out["manifest"] = manifest.to_wire()
     if plan is not None:
         out["plan"] = {"peers": plan.peers, "pieces": plan.pieces}
+        if plan.copies != 1:
+            out["plan"]["copies"] = plan.copies
     return out
 
 
@@ -556,7 +569,8 @@ def parse_push(m: dict[str, Any]) -> Push:
         peers = s.items(p, "peers", MAX_PUSH_PEERS, min_len=1)
         if not all(isinstance(x, bytes) and 0 < len(x) <= 128 for x in peers):
             raise s.SchemaError("plan peers must be peer ids")
-        plan = PushPlan(peers, s.int_list(p, "pieces", MAX_PUSH_PIECES, 0, MAX_MANIFEST_BODY // HASH_LEN))
+        copies = s.integer(p, "copies", 1, len(peers)) if "copies" in p else 1
+        plan = PushPlan(peers, s.int_list(p, "pieces", MAX_PUSH_PIECES, 0, MAX_MANIFEST_BODY // HASH_LEN), copies)
     return Push(s.blob(m, "id", HASH_LEN, exact=HASH_LEN), chunks, manifest, plan)
 
 

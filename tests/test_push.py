@@ -70,6 +70,18 @@ def test_push_targets_prefer_the_peers_the_origin_serves():
     assert policy.push_targets([f"p{i}" for i in range(100)], set(), limit=64) == [f"p{i}" for i in range(64)]
 
 
+def test_push_copies_balance_the_origins_uplink_against_the_slowest_relayer():
+    mbit = 1e6 / 8
+    assert policy.push_copies(14, 0.0) == 1  # an origin that does not know its uplink: one copy, samplers relay
+    assert policy.push_copies(14, 25 * mbit) == 1  # a slow origin: its uplink is worth ~1 relayer
+    assert policy.push_copies(1, 1e12) == 1 and policy.push_copies(4, 1e12) == 4  # never more than the peers
+    n, up, u = 14, 1000 * mbit, policy.RELAY_UPLINK
+    c = policy.push_copies(n, up)
+    assert c == 11
+    # c copies from the origin take about as long as the slowest relayer's share to the n - c others
+    assert abs(c / up - (n - c) / (n * u)) <= 1 / up + 1 / (n * u)
+
+
 def test_a_pushed_chunk_is_taken_only_from_the_origin_or_its_planned_relayer():
     assert policy.push_source_ok("origin", "origin", None)
     assert policy.push_source_ok("a", "origin", "a")
@@ -96,6 +108,19 @@ def test_push_messages_round_trip_and_are_bounded():
     assert p.mid == b"i" * 32 and p.chunks == [(b"h" * 32, b"data")] and p.manifest == signed
     assert p.plan == plan and plan.first_holder() == {3: b"peer-a", 5: b"peer-b", 7: b"peer-a"}
     assert w.parse_pushed(w.pushed_reply(1)) == 1
+    assert plan.copies == 1 and "copies" not in w.push(b"i" * 32, [], signed, plan)["plan"]
+    assert plan.from_origin() == {3: {b"peer-a"}, 5: {b"peer-b"}, 7: {b"peer-a"}}
+    # with copies, piece k also goes from the origin to the copies - 1 peers before its first holder
+    three = w.PushPlan([b"peer-a", b"peer-b", b"peer-c"], [3, 5, 7, 9], copies=2)
+    again = w.parse_push(unpack(_pack(w.push(b"i" * 32, [], signed, three)), w.MAX_PUSH_FRAME, w.PUSH_CONTAINERS))
+    assert again.plan == three
+    assert three.from_origin() == {3: {b"peer-a", b"peer-c"}, 5: {b"peer-b", b"peer-a"}, 7: {b"peer-c", b"peer-b"},
+                                   9: {b"peer-a", b"peer-c"}}  # fmt: skip
+    for copies in (0, 4):
+        bad = w.push(b"i" * 32, [], signed, three)
+        bad["plan"]["copies"] = copies
+        with pytest.raises(SchemaError):
+            w.parse_push(bad)
     too_many = w.push(b"i" * 32, [(bytes([i]) * 32, b"") for i in range(w.MAX_PUSH_CHUNKS + 1)])
     too_big = w.push(b"i" * 32, [(b"a" * 32, b"x" * (w.MAX_PUSH_BYTES // 2 + 1)), (b"b" * 32, b"x" * (1 << 19))])
     bad_hash = w.push(b"i" * 32, [(b"short", b"x")])
@@ -121,7 +146,7 @@ def nudge(model, step: float, seed: int) -> None:
 class Origin:
     """The trainer's weight side alone: publisher, super-seeding server, outbox with push."""
 
-    def __init__(self, swarm, root: Path, model_dir: Path, key) -> None:
+    def __init__(self, swarm, root: Path, model_dir: Path, key, uplink: float = 0.0) -> None:
         self.model_dir, self.model = model_dir, load_model(model_dir)
         self.store = ChunkStore(root / "origin")
         self.server = WeightServer(self.store, origin=True)
@@ -129,7 +154,7 @@ class Origin:
         self.publisher = Publisher(
             self.store, KeyPair(key.private_key, key.public_key), "t", anchor_every=1 << 20, patch_max_fraction=0.5
         )
-        self.outbox = Outbox(self.publisher, self.stage, swarm.gossip, "t", pusher=OriginPush(self.server))
+        self.outbox = Outbox(self.publisher, self.stage, swarm.gossip, "t", pusher=OriginPush(self.server, uplink))
 
     def stage(self, version: int, staging: Path) -> Path:
         if version:
@@ -137,11 +162,16 @@ class Origin:
         return save_model_dir(self.model, staging, self.model_dir, torch.bfloat16)
 
 
-async def test_a_small_version_is_pushed_relayed_and_never_requested(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("uplink", [0.0, 1e12], ids=["one-copy", "fast-origin"])
+async def test_a_small_version_is_pushed_relayed_and_never_requested(tmp_path, tiny_model_dir, uplink):
+    """An origin that does not know its uplink pushes one copy of each piece and the samplers relay the rest; one
+    whose uplink is far faster than theirs (here: 3 copies for 3 samplers) sends every piece to every sampler
+    itself, and nobody relays."""
     async with trio.open_nursery() as nursery, AsyncExitStack() as stack:
         key = load_or_create_key(tmp_path / "origin.key")
         swarm = await stack.enter_async_context(open_swarm(key, LOOPBACK))
-        origin = Origin(swarm, tmp_path, tiny_model_dir, key)
+        origin = Origin(swarm, tmp_path, tiny_model_dir, key, uplink)
+        copies = policy.push_copies(3, uplink)
         syncs = []
         for i in range(3):
             s = await stack.enter_async_context(open_swarm(load_or_create_key(tmp_path / f"s{i}.key"), LOOPBACK))
@@ -172,7 +202,7 @@ async def test_a_small_version_is_pushed_relayed_and_never_requested(tmp_path, t
         m0 = await send(0)  # whole: its chunks are pushed too (a small version)
         m1 = await send(1)  # the first patch: cut before any patch size was known
         served, pushed = origin.server.bytes_served, origin.server.bytes_pushed
-        took = [s.pushed_chunks for s in syncs]
+        took, relayed = [s.pushed_chunks for s in syncs], [s.relayed_chunks for s in syncs]
         m2 = await send(2)  # cut into pieces sized for three peers (its other files re-cut: new chunks too)
         assert m2.patch is not None and m2.chunk_size < origin.outbox.max_chunk
         old = {*m0.all_chunks(), *m1.all_chunks()}
@@ -180,12 +210,14 @@ async def test_a_small_version_is_pushed_relayed_and_never_requested(tmp_path, t
         pieces, new_bytes = len(new), sum(len(origin.store.read(h)) for h in new)
         n = len(m2.patch.chunks)  # four pieces per peer, unless that would make them smaller than the floor
         assert n >= 3 and (n >= 3 * policy.PIECES_PER_PEER or m2.chunk_size == policy.MIN_PIECE), (n, m2.chunk_size)
-        # the origin sent one copy of each new chunk, by push; nobody asked it for any
-        assert origin.server.bytes_pushed - pushed == new_bytes
-        assert origin.server.bytes_served - served == new_bytes
-        # every sampler took its share from the origin and the others' from their relays
+        # the origin sent one copy of each new chunk (or one per sampler), by push; nobody asked it for any
+        assert copies == (1 if uplink == 0 else 3)
+        assert origin.server.bytes_pushed - pushed == copies * new_bytes
+        assert origin.server.bytes_served - served == copies * new_bytes
+        # every sampler took its share from the origin and the others' from their relays (or all from the origin)
         assert [s.pushed_chunks - t for s, t in zip(syncs, took, strict=True)] == [pieces] * 3
-        assert all(s.relayed_chunks > 0 for s in syncs)
+        relays = [s.relayed_chunks - r for s, r in zip(syncs, relayed, strict=True)]
+        assert all(r > 0 for r in relays) if copies == 1 else relays == [0, 0, 0]
         for s in syncs:
             rebuilt = (s.store.versions_dir / "v2" / "model.safetensors").read_bytes()
             assert rebuilt == (origin.publisher.links / "v2.safetensors").read_bytes()

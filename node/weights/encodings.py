@@ -121,8 +121,8 @@ class DemandServer(WeightServer):
 class EncodingPush(OriginPush):
     """The origin's push of one encoding's versions: only to the peers that run it."""
 
-    def __init__(self, server: WeightServer, encoding: str, demand: Demand) -> None:
-        super().__init__(server)
+    def __init__(self, server: WeightServer, encoding: str, demand: Demand, uplink: float = 0.0) -> None:
+        super().__init__(server, uplink)
         self.encoding = encoding
         self.demand = demand
 
@@ -147,13 +147,14 @@ def trainer_outbox(
     chain = (settings.chunk_size, settings.encoding, settings.anchor_every, settings.patch_max_fraction)
     publisher = Publisher(store, key_pair, swarm_name, *chain)
     grid = Publisher(store, key_pair, swarm_name, chain[0], GRID_ENCODING, *chain[2:], tag=GRID_ENCODING)
+    uplink = settings.origin_uplink_mbps * 1e6 / 8
     return Outbox(
         publisher,
         stage,
         gossip,
         swarm_name,
-        pusher=EncodingPush(server, w.DEFAULT_ENCODING, demand),
-        extras={GRID_ENCODING: Extra(grid, EncodingPush(server, GRID_ENCODING, demand))},
+        pusher=EncodingPush(server, w.DEFAULT_ENCODING, demand, uplink),
+        extras={GRID_ENCODING: Extra(grid, EncodingPush(server, GRID_ENCODING, demand, uplink))},
         wanted=demand.wanted,
         **outbox,
     )

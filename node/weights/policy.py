@@ -40,14 +40,16 @@ to peers with a lease or an accepted group; every other peer draws on one share 
 first version). A new sampler has no lease before it holds weights (it asks for work once its engine runs), so it
 fetches from the samplers that do, and the strangers' share is what still moves it when none of them can serve it.
 
-Small versions (``piece_size``, ``keep_piece_size``, ``push_pieces``, ``push_targets``, ``push_source_ok``,
-``push_wait``). A version is cut into pieces small enough that every sampler the origin pushes to gets a different
-first piece: ``PIECES_PER_PEER`` per peer, at least ``MIN_PIECE``, at most the configured chunk size, and never so
-small that a full version has more than ``MAX_FULL_PIECES``; the size changes only when the rule's answer moves
-``PIECE_HYSTERESIS`` times away (a new size re-cuts the version's other files, which peers then fetch again). The
-origin pushes a version's new chunks of its update route (at most ``protocols.weights.MAX_PUSH_VERSION`` bytes) to
-the samplers it serves, one share each; a receiver takes a pushed chunk only from the origin or from the peer the
-origin's plan names for it, and does not ask anyone for a chunk a push is bringing until ``push_wait`` has passed.
+Small versions (``piece_size``, ``keep_piece_size``, ``push_pieces``, ``push_targets``, ``push_copies``,
+``push_source_ok``, ``push_wait``). A version is cut into pieces small enough that every sampler the origin pushes to
+gets a different first piece: ``PIECES_PER_PEER`` per peer, at least ``MIN_PIECE``, at most the configured chunk size,
+and never so small that a full version has more than ``MAX_FULL_PIECES``; the size changes only when the rule's answer
+moves ``PIECE_HYSTERESIS`` times away (a new size re-cuts the version's other files, which peers then fetch again).
+The origin pushes a version's new chunks of its update route (at most ``protocols.weights.MAX_PUSH_VERSION`` bytes) to
+the samplers it serves, one share each, and, when its uplink is known to be faster than theirs (``push_copies``), the
+next shares too, so each relayer sends its share to fewer peers; a receiver takes a pushed chunk only from the origin
+or from the peer the origin's plan names for it, and does not ask anyone for a chunk a push is bringing until
+``push_wait`` has passed.
 
 Versions (``is_news``, ``take_announcement``, ``cancel_for_newer``, ``rebuild_now``). A version is worth chasing
 when it is newer than the one running and the one being fetched. An announcer whose announcements give nothing
@@ -89,6 +91,7 @@ MIN_PIECE = 16 << 10  # bytes: no piece smaller (per-piece costs: a hash, a file
 MAX_FULL_PIECES = 32768  # pieces of a whole version, at most (~1 MiB of hashes in its manifest)
 PIECE_HYSTERESIS = 4  # the piece size changes only when the rule's answer is this many times off
 PUSH_GRACE = 1.0  # seconds a pushed piece may be late before it is asked for, besides its transfer time
+RELAY_UPLINK = 20e6 / 8  # bytes/s: the slow home uplink a relaying sampler is assumed to have (20 Mbit/s)
 
 P = TypeVar("P", bound=Hashable)
 
@@ -371,6 +374,15 @@ def push_targets(capable: Sequence[P], trusted: Collection[P], limit: int = w.MA
 def push_source_ok(sender: P, origin: P, first_holder: P | None) -> bool:
     """A pushed chunk is taken from the origin, or from the peer the origin's plan gave it to first; no one else."""
     return sender == origin or (first_holder is not None and sender == first_holder)
+
+
+def push_copies(peers: int, origin_uplink: float, relay_uplink: float = RELAY_UPLINK) -> int:
+    """How many samplers the origin sends each pushed piece to itself (``PushPlan.copies``), given its uplink and
+    a relayer's (bytes/s; 0: the origin's is unknown, so one copy). With c copies the origin uploads c updates and
+    the slowest relayer its share to the n - c others: c = n U / (U + n u) makes the two take equally long."""
+    if peers <= 1 or origin_uplink <= 0:
+        return 1
+    return max(1, min(peers, round(peers * origin_uplink / (origin_uplink + peers * relay_uplink))))
 
 
 def push_wait(plan_bytes: int, peers: int, min_rate: float) -> float:

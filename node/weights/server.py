@@ -343,8 +343,10 @@ class OriginPush:
     """The origin's side of push: whom to push to, and the pushes themselves (counted as served copies by the
     ``WeightServer`` whose store and host it shares, so super-seeding sees them)."""
 
-    def __init__(self, server: WeightServer) -> None:
+    def __init__(self, server: WeightServer, uplink: float = 0.0) -> None:
+        """``uplink``: this origin's upload in bytes/s (0: unknown), for ``policy.push_copies``."""
         self.server = server
+        self.uplink = uplink
 
     def targets(self) -> list[ID]:
         """Connected peers that speak the push protocol; those the origin serves from their own share first."""
@@ -367,7 +369,8 @@ class OriginPush:
 
     async def push(self, mid: bytes, signed: w.SignedManifest, manifest: w.Manifest) -> int:
         """Send the first copies of ``manifest``'s new chunks to the peers this origin serves, one share each, with the
-        plan of who got what (each relays its share to the others as it arrives). Returns the chunks taken."""
+        plan of who got what (each relays its share to the others as it arrives); with ``copies`` c > 1 each peer also
+        gets the c - 1 shares after its own from here, and their relayers skip it. Returns the chunks taken."""
         store = self.server.store
         route = manifest.patch_chunks() if manifest.patch is not None else manifest.full_chunks()
         old = {h for other, m in store.manifests() if other != mid for h in m.all_chunks()}
@@ -377,14 +380,16 @@ class OriginPush:
         if not pieces or not targets or self.server.host is None:
             return 0
         index = {h: i for i, h in enumerate(manifest.all_chunks())}
-        plan = w.PushPlan([p.to_bytes() for p in targets], [index[h] for h in pieces])
-        deadline = push_deadline(sum(sizes.get(h, 0) for h in pieces))  # every lane shares this uplink
+        n, copies = len(targets), policy.push_copies(len(targets), self.uplink)
+        plan = w.PushPlan([p.to_bytes() for p in targets], [index[h] for h in pieces], copies)
+        deadline = push_deadline(copies * sum(sizes.get(h, 0) for h in pieces))  # every lane shares this uplink
         took = 0
 
         async def lane(k: int, peer: ID) -> None:
             nonlocal took
             with trio.move_on_after(deadline):
-                messages = self._messages(mid, signed, plan, pieces[k :: len(targets)])
+                mine = [h for j in range(copies) for h in pieces[(k + j) % n :: n]]  # its own share first
+                messages = self._messages(mid, signed, plan, mine)
                 took += await push_lane(self.server.host, peer, messages, self.server.pushed)
 
         async with trio.open_nursery() as nursery:

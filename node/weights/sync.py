@@ -91,6 +91,7 @@ class PushState:
     manifest: w.Manifest
     index: dict[bytes, int]  # chunk hash -> index in all_chunks()
     first: dict[int, bytes]  # chunk index -> the peer (id bytes) the origin gives it to first
+    direct: dict[int, frozenset[bytes]]  # chunk index -> every peer the origin gives it to (no relay to them)
     peers: list[ID]  # the plan's peers: whom this node relays its share to
     mine: int  # chunks the origin gives this node
     share_bytes: int  # their bytes
@@ -397,7 +398,7 @@ class WeightSync:
             # relayed even if held already (it came here first by another way): the others wait for it, and the
             # lanes close once this node's whole share went out
             if sender == origin and state.first.get(i) == self.swarm.peer_id.to_bytes():
-                self._relay(state, h, data)
+                self._relay(state, h, data, state.direct.get(i, frozenset()))
         return w.pushed_reply(took)
 
     def _take_plan(self, mid: bytes, manifest: w.Manifest, plan: w.PushPlan) -> None:
@@ -422,6 +423,7 @@ class WeightSync:
             manifest,
             {h: i for i, h in enumerate(chunks)},
             first,
+            plan.from_origin(),
             peers,
             len(mine),
             sum(sizes.get(chunks[i], 0) for i in mine),
@@ -431,14 +433,17 @@ class WeightSync:
         self._expecting.clear()  # (the dict itself is shared with the downloads)
         self._expecting.update((chunks[i], until) for i in first if not self.store.has(chunks[i]))
 
-    def _relay(self, state: PushState, h: bytes, data: bytes) -> None:
-        """A chunk the origin gave this node first goes on to the plan's other peers at once (a lane each), over
-        direct connections only: relays are for control traffic (each circuit's bytes are capped)."""
+    def _relay(self, state: PushState, h: bytes, data: bytes, skip: frozenset[bytes] = frozenset()) -> None:
+        """A chunk the origin gave this node first goes on to the plan's other peers at once (a lane each), but for
+        ``skip`` (those the origin sends it to itself), over direct connections only: relays are for control
+        traffic (each circuit's bytes are capped)."""
         if self._nursery is None:
             return
         connected = set(self.swarm.host.get_connected_peers())
         for peer in state.peers:
             if peer in (self.swarm.peer_id, self.trainer_id) or peer not in connected or self.strikes.is_banned(peer):
+                continue
+            if peer.to_bytes() in skip:
                 continue
             if not self.swarm.is_direct(peer):
                 continue
