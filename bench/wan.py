@@ -23,9 +23,23 @@ and the second is cut with it (its other files re-cut once). ``--patch-only`` sk
 alternates push rounds (``patch``) with baseline rounds (``nopush``: no push, configured chunk size) in one lab.
 bench/delta.py runs this mode on real trained versions and records it.
 
+``--replay DIR``: the headline of issue 27. The origin (1 Gbit/s, ``--origin-mbps 1000``) sends the 1.5B-shaped
+int8-grid versions bench/delta_shaped.py kept in DIR (``--keep``) to samplers that start holding version 0 and run
+int8-grid, on the issue's home links (``--homes``: 100-300 Mbit/s down, 20-50 up); a version counts when a sampler
+holds every chunk of it, each checked against its hash (bench/wan_node.py ``--deliver-only``: the 1.7 GB rebuild per
+version is measured on one node by bench/delta_shaped.py, not repeated by 14 samplers on one box). Version 1 is
+uncounted (the origin cuts pieces by the last patch's size). TCP starts from an internet path's initial window (2
+jumbo segments, ~10 x 1448 B; ``--jumbo-window``: the kernel's 10 jumbo segments, 6x that; ``--warm``: no host
+restarts slow start after an idle period, net.ipv4.tcp_slow_start_after_idle=0). The origin is told its uplink
+(the trainer's ``origin_uplink_mbps``: it pushes each piece to several samplers, node/weights/policy.py
+``push_copies``; ``--one-copy``: it is not, and pushes one copy of each). Per version: time from publication to the
+last sampler, against the ideal and 2 s, with the CPU share; appends to bench/results/wan.txt, plots
+bench/results/wan_replay.png.
+
     sudo .venv/bin/python bench/wan.py [--samplers 12] [--origin-mbps 100] [--rounds 2]
     sudo .venv/bin/python bench/wan.py --delta [--samplers 6] [--layers 10 --hidden 512] [--link-scale 1]
     sudo nice -n 19 .venv/bin/python bench/wan.py --delta --patch-only --rounds 3 [--no-push]
+    sudo .venv/bin/python bench/wan.py --replay DIR --samplers 14 --origin-mbps 1000 --homes --link-scale 1
 """
 
 from __future__ import annotations
@@ -33,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -47,13 +62,15 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.netlab.swarm import ACCESS, PORT, REGIONS, status_of, wan_links
+from bench.netlab.swarm import ACCESS, HOMES, PORT, REGIONS, status_of, wan_links
 from bench.netlab.topology import Lab, lab_unavailable, wait_for
 from node.config import write_config_file
 from node.identity import load_or_create_key, peer_id_of
 from trainer.tiny_qwen2 import build_random_model
 
 console = Console()
+IDLE_WINDOW = 10.0  # seconds the lab's idle CPU is measured over (--replay)
+INTERNET_WINDOW = 2  # --replay's initial TCP window, in the lab's jumbo segments: ~10 x 1448 B (netlab/topology.py)
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -76,9 +93,12 @@ def status(root: Path, name: str) -> dict:
     return status_of(root / name)
 
 
-def access_links(n: int, link_scale: float) -> list[tuple[float, float]]:
+Access = list[tuple[float, float]]
+
+
+def access_links(n: int, link_scale: float, profile: Access = ACCESS) -> Access:
     """(down, up) Mbit/s of each sampler."""
-    return [(ACCESS[i % len(ACCESS)][0] * link_scale, ACCESS[i % len(ACCESS)][1] * link_scale) for i in range(n)]
+    return [(profile[i % len(profile)][0] * link_scale, profile[i % len(profile)][1] * link_scale) for i in range(n)]
 
 
 def slowest_rtt(n: int) -> float:
@@ -87,32 +107,37 @@ def slowest_rtt(n: int) -> float:
     return max(link.rtt_ms for link in wan_links() if link.a in used and link.b in used) / 1e3
 
 
-def ideal_time(size: int, n: int, origin_mbps: float, link_scale: float) -> float:
+def ideal_time(size: int, n: int, origin_mbps: float, link_scale: float, profile: Access = ACCESS) -> float:
     """T* for one version of ``size`` bytes: the origin's uplink, the slowest downlink, the swarm's total upload."""
     origin_bps = origin_mbps * 1e6 / 8
-    links = access_links(n, link_scale)
+    links = access_links(n, link_scale, profile)
     downs, ups = [d * 1e6 / 8 for d, _ in links], [u * 1e6 / 8 for _, u in links]
     return max(size / origin_bps, size / min(downs), n * size / (origin_bps + sum(ups)))
 
 
 def run_lab(
     root: Path,
-    model: Path,
+    model: Path | None,
     samplers: int,
     origin_mbps: float,
     link_scale: float,
     modes: list[str],
     progress: Progress,
     origin_args: tuple[str, ...] = (),
+    fetch_args: tuple[str, ...] = (),
+    profile: Access = ACCESS,
+    initcwnd: int | None = None,
+    warm: bool = False,
+    idle: list[float] | None = None,
 ) -> tuple[int, list[Round]]:
     """Start the lab (the origin publishing ``model`` as version 0, then ``samplers`` fetchers), let every sampler
     fetch version 0, then publish one version per entry of ``modes`` (written to ``<root>/mode`` first: ``naive``
     makes the fetchers ask the origin alone; with ``--delta`` in ``origin_args``, ``full`` ships the version whole)
     and wait for every sampler to hold it. Returns (version 0's size in bytes, the rounds)."""
-    lab = Lab(root / "lab", wan_links())
+    lab = Lab(root / "lab", wan_links(), initcwnd=initcwnd, slow_start_after_idle=not warm)
     lab.add_host("origin", "na", origin_mbps, origin_mbps)
     names = [f"s{i}" for i in range(samplers)]
-    for i, (name, (down, up)) in enumerate(zip(names, access_links(samplers, link_scale), strict=True)):
+    for i, (name, (down, up)) in enumerate(zip(names, access_links(samplers, link_scale, profile), strict=True)):
         lab.add_host(name, REGIONS[i % len(REGIONS)], up, down)
     origin_id = peer_id_of(load_or_create_key(root / "origin" / "identity.key"))
     config = root / "bootstrap.toml"
@@ -132,9 +157,8 @@ def run_lab(
             f"/ip4/{lab.hosts[name].ip}/tcp/{PORT}",
             "--root",
             str(root),
-            "--model",
-            str(model),
-            *(origin_args if role == "origin" else ()),
+            *(("--model", str(model)) if model is not None else ()),
+            *(origin_args if role == "origin" else fetch_args),
         ]
 
     def cpu_total() -> float:
@@ -154,6 +178,10 @@ def run_lab(
         warm = progress.add_task("samplers join and fetch version 0", total=None)
         wait_for(lambda: all("0" in status(root, n).get("got", {}) for n in names), 900, what="version 0")
         progress.remove_task(warm)
+        if idle is not None:  # what the lab costs with nothing to send: the share every round pays on top
+            cpu0, t0 = cpu_total(), time.time()
+            time.sleep(IDLE_WINDOW)
+            idle.append((cpu_total() - cpu0) / ((time.time() - t0) * (os.cpu_count() or 1)))
         bar = progress.add_task("rounds", total=len(modes))
         for version, mode in enumerate(modes, start=1):
             progress.update(bar, description=f"round {version}/{len(modes)}: {mode}")
@@ -204,11 +232,18 @@ def main() -> int:
     ap.add_argument("--patch-only", action="store_true", help="with --delta: patch rounds only (no full rounds)")
     ap.add_argument("--no-push", action="store_true", help="with --delta: the origin announces only (the baseline)")
     ap.add_argument("--compare-push", action="store_true", help="with --delta --patch-only: push and baseline rounds")
+    ap.add_argument("--replay", type=Path, help="send bench/delta_shaped.py --keep DIR's versions (see above)")
+    ap.add_argument("--jumbo-window", action="store_true", help="--replay: the kernel's initial window (see above)")
+    ap.add_argument("--one-copy", action="store_true", help="--replay: the origin pushes one copy of each piece")
+    ap.add_argument("--warm", action="store_true", help="--replay: hosts keep TCP windows across idle periods")
+    ap.add_argument("--homes", action="store_true", help="samplers on issue 27's home links (100-300 down, 20-50 up)")
     args = ap.parse_args()
     why = lab_unavailable()
     if why:
         console.print(f"[red]bench/wan needs a network lab: {why}")
         return 2
+    if args.replay is not None:
+        return replay(args)
     pair = ("full", "patch") if args.delta else ("swarm", "naive")
     if args.delta and args.patch_only:
         pair = ("patch", "nopush") if args.compare_push else ("patch",)
@@ -272,6 +307,67 @@ def main() -> int:
         f"{n} samplers, {s / 1e6:.1f} MB version, origin {args.origin_mbps:.0f} Mbit/s",
     )
     console.print(f"wrote {RESULTS / 'wan.txt'} and {RESULTS / 'wan.png'}")
+    return 0
+
+
+def replay(args: argparse.Namespace) -> int:
+    """``--replay``: the kept 1.5B-shaped int8-grid versions through the lab (see the module docstring)."""
+    kept = json.loads((args.replay / "versions.json").read_text())
+    modes = ["warmup"] + ["patch"] * (len(kept) - 2)
+    profile = HOMES if args.homes else ACCESS
+    with TemporaryDirectory(prefix="swarmrl-wan-") as tmp, Progress(console=console) as progress:
+        root = Path(tmp)
+        (root / "origin").mkdir()
+        shutil.copy(args.replay / "origin.key", root / "origin" / "identity.key")  # the versions' signer
+        fetch = ("--seed", str(args.replay), "--encoding", "int8-grid", "--deliver-only")
+        idle: list[float] = []
+        _, rounds = run_lab(
+            root, None, args.samplers, args.origin_mbps, args.link_scale, modes, progress,
+            ("--replay", str(args.replay), "--uplink-mbps", str(0 if args.one_copy else args.origin_mbps)), fetch,
+            profile, None if args.jumbo_window else INTERNET_WINDOW, args.warm, idle,
+        )  # fmt: skip
+    counted = [r for r in rounds if r.mode == "patch"]
+    rtt = slowest_rtt(args.samplers)
+    links = access_links(min(args.samplers, len(profile)), args.link_scale, profile)
+    lines = [
+        f"\n## {datetime.now(UTC):%Y-%m-%d %H:%M UTC}: bench/wan --replay: {kept[0]['full_bf16'] / 2e9:.2f}B-parameter "
+        f"int8-grid versions (bench/delta_shaped.py), {args.samplers} samplers in {len(REGIONS)} regions, origin "
+        f"{args.origin_mbps:g} Mbit/s, access {'homes' if args.homes else 'profile'} x{args.link_scale:g} "
+        f"({', '.join(f'{d:g}/{u:g}' for d, u in links)} Mbit/s down/up), slowest RTT {rtt * 1e3:.0f} ms; "
+        "delivery (every chunk here, hash-checked), not rebuild; "
+        + ("the origin pushes one copy of each piece" if args.one_copy else "the origin knows its uplink")
+        + ("; initial TCP window 10 jumbo segments" if args.jumbo_window else "; initial TCP window ~10 x 1448 B")
+        + ("; no slow start after idle" if args.warm else "")
+    ]
+    for r in counted:
+        ideal = ideal_time(r.size, args.samplers, args.origin_mbps, args.link_scale, profile)
+        lines.append(
+            f"    v{r.version}: {r.size / 1e6:.2f} MB, last sampler {r.t_all:.2f} s, median "
+            f"{statistics.median(r.arrivals):.2f} s; ideal {ideal:.2f} s ({r.t_all / ideal:.2f}x), ideal + 3 RTT "
+            f"{ideal + 3 * rtt:.2f} s; origin upload {r.uploaded / r.size:.2f}x; CPU share {r.cpu_share:.0%}"
+        )
+    if counted:
+        ideals = [ideal_time(r.size, args.samplers, args.origin_mbps, args.link_scale, profile) for r in counted]
+        within2 = sum(r.t_all <= 2.0 for r in counted)
+        within15 = sum(r.t_all <= 1.5 * i for r, i in zip(counted, ideals, strict=True))
+        within3 = sum(r.t_all <= i + 3 * rtt for r, i in zip(counted, ideals, strict=True))
+        lines += [
+            f"time to the last sampler: median {statistics.median(r.t_all for r in counted):.2f} s, worst "
+            f"{max(r.t_all for r in counted):.2f} s; within 2 s: {within2}/{len(counted)}; within 1.5x ideal: "
+            f"{within15}/{len(counted)}; within ideal + 3 RTT: {within3}/{len(counted)}; CPU share median "
+            f"{statistics.median(r.cpu_share for r in counted):.0%} (idle lab: {idle[0]:.0%})",
+            f"  median over samplers and versions: {phase_line(counted)}",
+        ]
+    for line in lines:
+        console.print(line)
+    RESULTS.mkdir(exist_ok=True)
+    with open(RESULTS / "wan.txt", "a") as fh:
+        fh.write("\n".join(lines) + "\n")
+    if counted:
+        size = int(statistics.mean(r.size for r in counted))
+        ideal = ideal_time(size, args.samplers, args.origin_mbps, args.link_scale, profile)
+        title = f"{args.samplers} samplers, 1.5B int8-grid patches of {size / 1e6:.1f} MB, origin {args.origin_mbps:g}"
+        plot(counted, ideal, RESULTS / "wan_replay.png", title, target=ideal + 3 * rtt)
     return 0
 
 

@@ -31,6 +31,8 @@ _RTT = {
 }
 # (down, up) Mbit/s of consumer links, cycled over the samplers
 ACCESS = [(100, 40), (50, 20), (200, 100), (30, 20), (20, 20), (150, 50), (60, 30), (40, 20)]
+# (down, up) Mbit/s of the homes issue 27's headline is set on: 100-300 down, 20-50 up
+HOMES = [(100, 20), (300, 50), (200, 40), (150, 30), (250, 50), (100, 25), (200, 20)]
 TRAINER_LINK = (200, 200)
 PORT = 4001
 

@@ -77,6 +77,13 @@ class Lab:
     wanem: subprocess.Popen | None = None
     blocked: list[tuple[str, str]] = field(default_factory=list)
     _procs: list[subprocess.Popen] = field(default_factory=list)
+    # TCP's initial window on the hosts' routes, in segments (None: the kernel's 10). The lab's jumbo frames make the
+    # kernel's 10 segments 87 KB against the internet's 10 x 1448 B; 2 jumbo segments (17.9 KB) start slow start
+    # where an internet path does, and it doubles per round trip from there either way.
+    initcwnd: int | None = None
+    # False: the hosts keep their TCP window across idle periods (net.ipv4.tcp_slow_start_after_idle=0, per
+    # namespace); the kernel's default (True) restarts slow start after an idle RTO, as most internet hosts do
+    slow_start_after_idle: bool = True
 
     @property
     def router(self) -> str:
@@ -135,9 +142,12 @@ class Lab:
         sh("ip", "link", "set", tmp, "netns", host.ns)
         sh("ip", "-n", host.ns, "link", "set", tmp, "name", "eth0")
         sh("ip", "-n", host.ns, "link", "set", "lo", "up")
+        if not self.slow_start_after_idle:
+            sh("ip", "netns", "exec", host.ns, "sysctl", "-q", "-w", "net.ipv4.tcp_slow_start_after_idle=0")
         sh("ip", "-n", host.ns, "addr", "add", f"{host.ip}/24", "dev", "eth0")
         sh("ip", "-n", host.ns, "link", "set", "eth0", "up")
-        sh("ip", "-n", host.ns, "route", "add", "default", "via", f"10.77.{host.index}.1")
+        window = ("initcwnd", str(self.initcwnd)) if self.initcwnd else ()
+        sh("ip", "-n", host.ns, "route", "add", "default", "via", f"10.77.{host.index}.1", *window)
         sh("ip", "-n", r, "addr", "add", f"10.77.{host.index}.1/24", "dev", host.veth)
         sh("ip", "-n", r, "link", "set", host.veth, "up")
         self._shape(host.ns, "eth0", host.up_mbit)
