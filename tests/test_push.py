@@ -97,6 +97,8 @@ def test_a_chunk_a_push_is_bringing_is_not_requested_until_its_wait_is_over():
     assert sorted(policy.pick("p", board, layout, now=10.5, room=1 << 30)) == [0, 1]
     # a grace plus two hops of one peer's share at the minimum rate
     assert policy.push_wait(6 * 256 * KIB, 6, 256 * KIB) == pytest.approx(policy.PUSH_GRACE + 2.0)
+    # with 5 copies the origin's lane to this node carries 5 shares: one hop, but a longer one
+    assert policy.push_wait(6 * 256 * KIB, 6, 256 * KIB, copies=5) == pytest.approx(policy.PUSH_GRACE + 5.0)
 
 
 # -- the wire ----------------------------------------------------------------------------------------------------

@@ -385,10 +385,10 @@ def push_copies(peers: int, origin_uplink: float, relay_uplink: float = RELAY_UP
     return max(1, min(peers, round(peers * origin_uplink / (origin_uplink + peers * relay_uplink))))
 
 
-def push_wait(plan_bytes: int, peers: int, min_rate: float) -> float:
+def push_wait(plan_bytes: int, peers: int, min_rate: float, copies: int = 1) -> float:
     """Seconds to wait for a planned push before asking for its chunks: a grace, and two hops of one peer's share
-    at ``min_rate``."""
-    return PUSH_GRACE + 2 * plan_bytes / max(1, peers) / min_rate
+    at ``min_rate`` (or the origin's lane to this node, ``copies`` shares, if that is longer)."""
+    return PUSH_GRACE + max(2, copies) * plan_bytes / max(1, peers) / min_rate
 
 
 # -- versions --------------------------------------------------------------------------------------------------

@@ -429,7 +429,8 @@ class WeightSync:
             sum(sizes.get(chunks[i], 0) for i in mine),
         )
         plan_bytes = sum(sizes.get(chunks[i], 0) for i in first)
-        until = trio.current_time() + policy.push_wait(plan_bytes, len(plan.peers), self.settings.min_rate)
+        wait = policy.push_wait(plan_bytes, len(plan.peers), self.settings.min_rate, plan.copies)
+        until = trio.current_time() + wait
         self._expecting.clear()  # (the dict itself is shared with the downloads)
         self._expecting.update((chunks[i], until) for i in first if not self.store.has(chunks[i]))
 
