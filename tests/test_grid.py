@@ -226,6 +226,18 @@ def test_a_grid_file_holds_every_tensor_and_patches_carry_only_changed_codes(tmp
     w.Manifest.from_body(replace(m, files=[w.FileEntry("config.json", 2, [b"\2" * 32])]).body())  # it parses
 
 
+def test_tensors_encoded_at_once_write_the_same_file(tmp_path):
+    """Threads encode tensors at once, each at its own offsets: the bytes and the tally are one thread's."""
+    g0, g1, _v0, _v1 = grid_pair(tmp_path, 2e-4)
+    for threads in (1, 4):
+        a, b = tmp_path / f"a{threads}.safetensors", tmp_path / f"b{threads}.safetensors"
+        s0 = encode_grid_file(tmp_path / "v0.safetensors", a, threads=threads)
+        s1 = encode_grid_file(tmp_path / "v1.safetensors", b, parent=a, threads=threads)
+        assert a.read_bytes() == g0.read_bytes() and b.read_bytes() == g1.read_bytes()
+        assert (s0.tensors, s0.groups, s0.regridded) == (2, s0.groups, s0.groups) and s0.groups > 0
+        assert s1.codes == s0.codes and s1.groups == s0.groups and s1.regridded < s0.groups
+
+
 def test_a_grid_file_without_a_usable_parent_is_an_anchor(tmp_path):
     g0, _g1, _v0, _v1 = grid_pair(tmp_path, 2e-5)
     other = tmp_path / "other.safetensors"

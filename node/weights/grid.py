@@ -26,8 +26,10 @@ every version of a model, so versions patch one into another).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +54,7 @@ EPS = np.float32(1e-7)  # MLX's smallest scale
 SCALES, BIASES = ".scales", ".biases"
 FLOATS = ("F32", "BF16", "F16")
 GROUPS_AT_ONCE = 1 << 16  # groups encoded at a time: ~30 bytes per element of temporaries
+ENCODE_THREADS = min(8, os.cpu_count() or 1)  # tensors encoded at once (numpy leaves the GIL in its loops)
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,10 @@ class GridStats:
     regridded: int = 0
     codes: int = 0
     clipped: int = 0  # codes clipped at 0 or 255 beyond half a step (elements outside their grid's range)
+
+    def add(self, other: GridStats) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
 # -- pure rules --------------------------------------------------------------------------------------------------
@@ -238,10 +245,13 @@ def _encode_tensor(
     return codes.reshape(w.shape), s_bits, b_bits
 
 
-def encode_grid_file(src: Path, dst: Path, parent: Path | None = None, rule: GridRule | None = None) -> GridStats:
+def encode_grid_file(
+    src: Path, dst: Path, parent: Path | None = None, rule: GridRule | None = None, threads: int = ENCODE_THREADS
+) -> GridStats:
     """Write the int8-grid weights file of ``src`` (a float safetensors file) to ``dst``: on the grids of
     ``parent`` (the previous version's grid file; None, or a file of another layout: every group fresh, an anchor).
-    One tensor in memory at a time."""
+    ``threads`` tensors at a time, each read and written at its own offsets (the bytes do not depend on the order):
+    at 1.5B parameters one thread took ~19 s of the trainer's publish on this box (bench/delta_shaped.py)."""
     rule = rule or GridRule()
     _head, tensors = read_layout(src)
     plan = grid_plan(tensors)
@@ -250,20 +260,45 @@ def encode_grid_file(src: Path, dst: Path, parent: Path | None = None, rule: Gri
     stats = GridStats()
     with open(src, "rb") as fh, open(dst, "wb") as out:
         out.write(layout.head)
-        for p, parts in _grouped(plan):
-            raw = read_span(fh, p.src.offset, p.src.nbytes)
+        out.flush()
+
+        def one(item: tuple[_Part, list[_Placed]]) -> GridStats:
+            p, parts = item
+            mine = GridStats()
+            raw = _pread(fh.fileno(), p.src.offset, p.src.nbytes)
             if p.part == "raw":
-                out.seek(layout.tensors[parts[0].index].offset)
-                out.write(raw.data)
-                continue
+                _pwrite(out.fileno(), raw, layout.tensors[parts[0].index].offset)
+                return mine
             codes, s_bits, b_bits = _encode_tensor(
-                as_float32(raw, p.src), None if grids is None else grids[p.src.name], rule, stats
+                as_float32(raw, p.src), None if grids is None else grids[p.src.name], rule, mine
             )
             for q in parts:
                 data = {"codes": codes, "scales": s_bits, "biases": b_bits}[q.part]
-                out.seek(layout.tensors[q.index].offset)
-                out.write(np.ascontiguousarray(data).tobytes())
+                _pwrite(out.fileno(), np.ascontiguousarray(data).view(np.uint8), layout.tensors[q.index].offset)
+            return mine
+
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            for mine in pool.map(one, _grouped(plan)):
+                stats.add(mine)
     return stats
+
+
+def _pread(fd: int, offset: int, nbytes: int) -> np.ndarray:
+    """``nbytes`` of a file from ``offset``, without its shared position (threads read at once)."""
+    out = np.empty(nbytes, dtype=np.uint8)
+    view, done = memoryview(out), 0
+    while done < nbytes:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            raise LayoutError("weights file shorter than its header says")
+        done += got
+    return out
+
+
+def _pwrite(fd: int, data: np.ndarray, offset: int) -> None:
+    view, done = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8)), 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
 
 
 @dataclass(frozen=True)
