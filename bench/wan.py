@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -368,7 +369,52 @@ def replay(args: argparse.Namespace) -> int:
         ideal = ideal_time(size, args.samplers, args.origin_mbps, args.link_scale, profile)
         title = f"{args.samplers} samplers, 1.5B int8-grid patches of {size / 1e6:.1f} MB, origin {args.origin_mbps:g}"
         plot(counted, ideal, RESULTS / "wan_replay.png", title, target=ideal + 3 * rtt)
+        summarize_replays(RESULTS / "wan.txt", RESULTS / "wan_replay_n.png", ideal, ideal + 3 * rtt)
     return 0
+
+
+REPLAY_HEAD = re.compile(
+    r"^## .*bench/wan --replay: .*?, (\d+) samplers in .*?; "
+    r"(the origin knows its uplink|the origin pushes one copy of each piece); initial TCP window ~10 x 1448 B$"
+)
+REPLAY_TIME = re.compile(r"^time to the last sampler: median ([\d.]+) s, .*\(idle lab: (\d+)%\)")
+
+
+def summarize_replays(results: Path, png: Path, ideal: float, target: float) -> None:
+    """Every --replay run in ``results`` (default windows, no --warm): the median time to the last sampler against
+    the number of samplers, copies or one copy, with the idle lab's CPU share beside each point."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs: list[tuple[int, bool, float, int]] = []  # (samplers, copies, median s, idle %)
+    head = None
+    for line in results.read_text().splitlines():
+        if m := REPLAY_HEAD.match(line):
+            head = (int(m.group(1)), m.group(2).endswith("uplink"))
+        elif head is not None and (m := REPLAY_TIME.match(line)):
+            runs.append((*head, float(m.group(1)), int(m.group(2))))
+            head = None
+    if not runs:
+        return
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for copies, color, label in ((True, "tab:blue", "the origin knows its uplink"), (False, "tab:red", "one copy")):
+        mine = [r for r in runs if r[1] == copies]
+        ax.scatter([r[0] for r in mine], [r[2] for r in mine], color=color, label=label)
+        for n, _, t, idle in mine:
+            ax.annotate(f"idle {idle}%", (n, t), textcoords="offset points", xytext=(6, -3), fontsize=7)
+    ax.set_xlim(0, max(r[0] for r in runs) + 3)
+    ax.axhline(ideal, color="black", linestyle="--", label=f"ideal {ideal:.2f} s")
+    ax.axhline(target, color="gray", linestyle=":", label=f"ideal + 3 RTT {target:.2f} s")
+    ax.axhline(2.0, color="tab:green", linestyle="-.", label="target 2 s")
+    ax.set_xlabel("samplers (15 Python nodes share this 2-core box at 14; 'idle': the lab's CPU share at rest)")
+    ax.set_ylabel("median time to the last sampler (s)")
+    ax.set_title("bench/wan --replay: 1.5B int8-grid versions, origin 1 Gbit/s, home links")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
 
 
 def delta_lines(rounds: list[Round], samplers: int, origin_mbps: float, link_scale: float) -> list[str]:
