@@ -51,7 +51,7 @@ from rich.progress import Progress
 
 from node.identity import load_or_create_key
 from node.weights import policy
-from node.weights.grid import GRID_ENCODING, f32_to_bf16
+from node.weights.grid import ENCODE_THREADS, GRID_ENCODING, f32_to_bf16
 from node.weights.publish import Publisher
 from node.weights.store import ChunkStore
 from protocols.weights import WEIGHTS_FILE, Manifest, SignedManifest
@@ -317,7 +317,8 @@ def report(rows: list[Version], args: argparse.Namespace, started: float) -> lis
         f"{sum(r.grid_patch for r in vs) / sum(r.bf16_patch for r in vs):.3f}x",
         f"trainer per version (median): publish bf16 {median([r.bf16_publish_s for r in vs]):.1f} s, int8-grid "
         f"{median([r.grid_publish_s for r in vs]):.1f} s; sampler int8-grid rebuild "
-        f"{median([r.grid_rebuild_s for r in vs]):.1f} s (this 2-core box, one thread each)",
+        f"{median([r.grid_rebuild_s for r in vs]):.1f} s (this {os.cpu_count()}-core box; the int8-grid encode on "
+        f"{ENCODE_THREADS} threads, the rest on one)",
         f"target int8-grid patch <= 0.3% of full bf16 per version at lr 1e-6 (worst): {max(pct):.3f}% "
         f"({'MET' if max(pct) <= 0.3 else 'MISSED'}); bit-exact {len(vs)}/{len(vs)} (every tensor's hash checked)",
         f"bench runtime {time.time() - started:.0f} s; 1-minute load average at the end {os.getloadavg()[0]:.1f}",
@@ -328,6 +329,11 @@ def report(rows: list[Version], args: argparse.Namespace, started: float) -> lis
 def median(xs: list[float]) -> float:
     s = sorted(xs)
     return (s[(len(s) - 1) // 2] + s[len(s) // 2]) / 2
+
+
+def title(rows: list[Version], args: argparse.Namespace) -> str:
+    params = rows[0].full_bf16 / 2e9
+    return f"bench/delta_shaped: Qwen2.5-1.5B's shapes ({args.layers} layers, {params:.2f}B), lr {args.lr:g}"
 
 
 def plot(rows: list[Version], png: Path, title: str) -> None:
@@ -382,7 +388,7 @@ def main() -> int:
     with open(args.out.with_suffix(".txt"), "a") as fh:
         fh.write("\n".join(lines) + "\n\n")
     args.out.with_suffix(".json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
-    plot(rows, args.out.with_suffix(".png"), lines[0].split(": ", 1)[1][:110])
+    plot(rows, args.out.with_suffix(".png"), title(rows, args))
     console.print(f"wrote {args.out}.txt, .json, .png")
     return 0
 
