@@ -215,12 +215,16 @@ def read_layout(path: Path) -> Layout:
 
 
 def read_span(fh: BinaryIO, offset: int, nbytes: int, out: np.ndarray | None = None) -> np.ndarray:
-    """``nbytes`` bytes of an open file from ``offset`` as a uint8 array: a fresh one, or ``out`` filled."""
+    """``nbytes`` bytes of an open file from ``offset`` as a uint8 array: a fresh one, or ``out`` filled. Read at the
+    offset (pread), not from the file's position, so threads may read one open file at once."""
     if out is None:
         out = np.empty(nbytes, dtype=np.uint8)
-    fh.seek(offset)
-    if fh.readinto(memoryview(out)) != nbytes:
-        raise LayoutError("weights file shorter than its header says")
+    view, done = memoryview(out)[:nbytes], 0
+    while done < nbytes:
+        got = os.preadv(fh.fileno(), [view[done:]], offset + done)
+        if got <= 0:
+            raise LayoutError("weights file shorter than its header says")
+        done += got
     return out
 
 

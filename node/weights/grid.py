@@ -265,7 +265,7 @@ def encode_grid_file(
         def one(item: tuple[_Part, list[_Placed]]) -> GridStats:
             p, parts = item
             mine = GridStats()
-            raw = _pread(fh.fileno(), p.src.offset, p.src.nbytes)
+            raw = read_span(fh, p.src.offset, p.src.nbytes)
             if p.part == "raw":
                 _pwrite(out.fileno(), raw, layout.tensors[parts[0].index].offset)
                 return mine
@@ -281,18 +281,6 @@ def encode_grid_file(
             for mine in pool.map(one, _grouped(plan)):
                 stats.add(mine)
     return stats
-
-
-def _pread(fd: int, offset: int, nbytes: int) -> np.ndarray:
-    """``nbytes`` of a file from ``offset``, without its shared position (threads read at once)."""
-    out = np.empty(nbytes, dtype=np.uint8)
-    view, done = memoryview(out), 0
-    while done < nbytes:
-        got = os.preadv(fd, [view[done:]], offset + done)
-        if got <= 0:
-            raise LayoutError("weights file shorter than its header says")
-        done += got
-    return out
 
 
 def _pwrite(fd: int, data: np.ndarray, offset: int) -> None:
