@@ -340,15 +340,14 @@ def replay(args: argparse.Namespace) -> int:
         + ("; initial TCP window 10 jumbo segments" if args.jumbo_window else "; initial TCP window ~10 x 1448 B")
         + ("; no slow start after idle" if args.warm else "")
     ]
-    for r in counted:
-        ideal = ideal_time(r.size, args.samplers, args.origin_mbps, args.link_scale, profile)
+    ideals = [ideal_time(r.size, args.samplers, args.origin_mbps, args.link_scale, profile) for r in counted]
+    for r, ideal in zip(counted, ideals, strict=True):
         lines.append(
             f"    v{r.version}: {r.size / 1e6:.2f} MB, last sampler {r.t_all:.2f} s, median "
             f"{statistics.median(r.arrivals):.2f} s; ideal {ideal:.2f} s ({r.t_all / ideal:.2f}x), ideal + 3 RTT "
             f"{ideal + 3 * rtt:.2f} s; origin upload {r.uploaded / r.size:.2f}x; CPU share {r.cpu_share:.0%}"
         )
     if counted:
-        ideals = [ideal_time(r.size, args.samplers, args.origin_mbps, args.link_scale, profile) for r in counted]
         within2 = sum(r.t_all <= 2.0 for r in counted)
         within15 = sum(r.t_all <= 1.5 * i for r, i in zip(counted, ideals, strict=True))
         within3 = sum(r.t_all <= i + 3 * rtt for r, i in zip(counted, ideals, strict=True))
