@@ -168,6 +168,12 @@ def test_a_node_announces_a_version_it_installed_only_while_few_others_have():
     assert policy.manifest_sources("T", ["a", "T", "b", "c", "d"]) == ["T", "a", "b", "c"]
 
 
+def test_reannouncements_slow_down_to_the_cap():
+    assert [policy.reannounce_delay(2.0, k, most=60.0) for k in range(7)] == [2, 4, 8, 16, 32, 60, 60]
+    assert policy.reannounce_delay(2.0, 10**6) == policy.REANNOUNCE_MOST  # a version announced for days
+    assert policy.reannounce_delay(0.0, 0) == policy.REANNOUNCE_MOST  # a zero interval is not a busy loop
+
+
 def test_a_newer_version_cancels_a_download_unless_it_is_mostly_done_or_the_last_one_was_cancelled():
     assert policy.cancel_for_newer(0.2, 0.5, 0)
     assert not policy.cancel_for_newer(0.5, 0.5, 0)

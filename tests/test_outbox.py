@@ -154,15 +154,16 @@ async def test_one_version_in_flight_the_rest_coalesce_and_the_loop_never_waits(
     assert outbox.published == (4, bytes([4]) * 32) and outbox.update_bytes == 100
 
 
-async def test_send_then_announce_again_every_interval(autojump_clock):
+async def test_send_then_announce_again_ever_more_rarely(autojump_clock):
     publisher, gossip = FakePublisher(1.0), FakeGossip()
     outbox, published = outbox_for(publisher, gossip, keep=None)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(outbox.announce_forever, 2.0)  # nothing published yet: nothing announced
-        await outbox.send(0)  # done at t=1
-        await trio.sleep(2.5)
-        await outbox.send(1)  # done at t=4.5
-        await trio.sleep(2.0)
+        await trio.sleep(5.0)
+        await outbox.send(0)  # done at t=6
+        await trio.sleep(16.5)
+        await outbox.send(1)  # done at t=23.5: its repeats start over
+        await trio.sleep(3.0)
         nursery.cancel_scope.cancel()
-    assert gossip.heard == [(1.0, 0), (2.0, 0), (4.0, 0), (4.5, 1), (6.0, 1)]
+    assert gossip.heard == [(6.0, 0), (8.0, 0), (12.0, 0), (20.0, 0), (23.5, 1), (25.5, 1)]
     assert published == [0, 1] and publisher.store.gc_calls == []  # keep=None: no gc (bench/wan_node's origin)

@@ -1,5 +1,5 @@
 """A version's way out of the trainer: stage its model dir, publish it (chunks, signed manifest), announce it by
-gossip (now and forever after), drop what the store no longer needs. No torch here.
+gossip (now, and again ever more rarely until the next one), drop what the store no longer needs. No torch here.
 
 The trainer names versions as it trains (``after_step``); one is in flight at a time, so a publish slower than
 ``every`` steps never makes the loop wait: the versions that fall due meanwhile coalesce into the next one named
@@ -133,6 +133,7 @@ class Outbox:
         self.patch_bytes: int | None = None  # the last patch published (what the next update will likely weigh)
         self.pushed = 0  # chunks the pushes placed, all versions together
         self._background: trio.Nursery | None = None
+        self._fresh = trio.Event()  # set when a version is published: the re-announcements start over
 
     async def send(self, version: int) -> Manifest:
         """Stage, publish and announce ``version``; then gc the store."""
@@ -148,6 +149,7 @@ class Outbox:
         if manifest.patch is not None:
             self.patch_bytes = manifest.patch.size
         self.published, self.update_bytes = (version, mid), manifest.update_size
+        self._fresh.set()
         log.info(
             "published version %d (%d chunks, %.1f MB%s)",
             version,
@@ -222,14 +224,21 @@ class Outbox:
                     log.debug("announce failed: %s", exc)
 
     async def announce_forever(self, interval: float) -> None:
-        """Announce the latest version again every ``interval`` seconds: nodes that join late, or missed it, hear.
+        """Announce the latest version again after ``interval`` seconds, then ever more rarely
+        (``policy.reannounce_delay``), starting over with each version: nodes that join late, or missed it, hear.
         Pushes of the versions sent meanwhile run here, beside it."""
         async with trio.open_nursery() as nursery:
             self._background = nursery
             try:
+                repeats = 0
                 while True:
-                    await trio.sleep(interval)
+                    with trio.move_on_after(policy.reannounce_delay(interval, repeats)):
+                        await self._fresh.wait()
+                    if self._fresh.is_set():  # announced as it was published: its repeats start over
+                        self._fresh, repeats = trio.Event(), 0
+                        continue
                     await self.announce()
+                    repeats += 1
             finally:
                 self._background = None
 

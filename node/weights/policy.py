@@ -91,6 +91,7 @@ MIN_PIECE = 16 << 10  # bytes: no piece smaller (per-piece costs: a hash, a file
 MAX_FULL_PIECES = 32768  # pieces of a whole version, at most (~1 MiB of hashes in its manifest)
 PIECE_HYSTERESIS = 4  # the piece size changes only when the rule's answer is this many times off
 PUSH_GRACE = 1.0  # seconds a pushed piece may be late before it is asked for, besides its transfer time
+REANNOUNCE_MOST = 60.0  # seconds: the trainer's re-announcements of one version slow down to one a minute
 RELAY_UPLINK = 20e6 / 8  # bytes/s: the slow home uplink a relaying sampler is assumed to have (20 Mbit/s)
 
 P = TypeVar("P", bound=Hashable)
@@ -417,6 +418,15 @@ def announce_installed(others_heard: int, redundancy: int = ANNOUNCE_REDUNDANCY)
     the trainer re-announces. Peers heard are distinct authenticated message origins (a Sybil can only make a few
     more honest nodes keep quiet: they still serve what they hold)."""
     return others_heard < redundancy
+
+
+def reannounce_delay(interval: float, repeats: int, most: float = REANNOUNCE_MOST) -> float:
+    """Seconds before the trainer announces its newest version again, after ``repeats`` re-announcements of it:
+    ``interval``, twice that, four times ... up to ``most``; a new version starts over. The repeats are for the
+    few nodes that missed the announcement (a late joiner asks the trainer itself), and each one is a message that
+    every node in the mesh receives and forwards: at a fixed 2 s they were over half of an idle sampler's CPU
+    (bench/swarm_scale, 32 hosts: 0.72 cores, 0.33 with one a minute) and a load that grows with the swarm."""
+    return min(most, interval * 2.0 ** min(repeats, 64)) if interval > 0 else most
 
 
 def strike_announcer(failures: int) -> bool:
