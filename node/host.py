@@ -185,9 +185,14 @@ class Swarm:
         return {**(self.reach.status() if self.reach is not None else {}), "connmgr": self.conns.status()}
 
     async def feed_routing_table(self, interval: float) -> None:
-        """Add every connected peer to the DHT routing table, forever (py-libp2p won't do it)."""
+        """Add every connected peer to the DHT routing table, forever (py-libp2p won't do it). Peers already in
+        it are skipped: adding one again only refreshes it, and that, for every connection every second, was a
+        sampler's largest periodic cost after gossip's (bench/swarm_scale --profile: 0.7 ms/s per host)."""
+        table = self.dht.routing_table
         while True:
             for pid in list(self.host.get_connected_peers()):
+                if table.peer_in_table(pid):
+                    continue
                 try:
                     await self.dht.add_peer(pid)
                 except Exception as exc:
