@@ -32,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,27 @@ class LagProbe:
         return out
 
 
+class TaskSteps:
+    """A trio instrument: CPU-seconds of the loop's thread spent in each task's steps, summed by task name."""
+
+    def __init__(self) -> None:
+        self.started: float | None = None  # None: added in the middle of a step, which is not counted
+        self.by_name: dict[str, list[float]] = {}
+
+    def before_task_step(self, task: Any) -> None:
+        self.started = time.thread_time()
+
+    def after_task_step(self, task: Any) -> None:
+        if self.started is not None:
+            entry = self.by_name.setdefault(task.name, [0.0, 0])
+            entry[0] += time.thread_time() - self.started
+            entry[1] += 1
+        self.started = None
+
+    def totals(self) -> dict[str, list[float]]:
+        return dict(sorted(self.by_name.items(), key=lambda kv: -kv[1][0]))
+
+
 def trainer_main(args: argparse.Namespace) -> None:
     import multiaddr
     import trio
@@ -139,7 +161,11 @@ def trainer_main(args: argparse.Namespace) -> None:
     # a trainer feeding N samplers holds N inbound connections: its --max-inbound (250 by default) must cover them
     cfg = node_config(root, "trainer", "trainer", bootstrap=(boot,), provide_interval=30.0, status_interval=10.0,
                       max_inbound=max(250, args.count + 64))  # fmt: skip
-    s = settings(trainer={**TRAINER, "newcomer_rate": args.newcomer_rate}, learner={"model_dir": Path(args.model)})
+    s = settings(
+        trainer={**TRAINER, "newcomer_rate": args.newcomer_rate},
+        learner={"model_dir": Path(args.model)},
+        weights=json.loads(args.weights),
+    )
     role = TrainerRole(cfg, s)
     busy = {"refused": 0}
     lease = role.intake.lease
@@ -324,7 +350,7 @@ def samplers_main(args: argparse.Namespace) -> None:
         await trio.sleep(delay)
         cfg = node_config(root, name, "sampler", bootstrap=(boot,), trainer_id=trainer_id, provide_interval=30.0,
                           discover_interval=2.0, status_interval=30.0, bootstrap_timeout=60.0)  # fmt: skip
-        s = settings(sampler={"engine": "torch", "bits": "none", "compute": "fp32"})
+        s = settings(sampler={"engine": "torch", "bits": "none", "compute": "fp32"}, weights=json.loads(args.weights))
         role = SamplerRole(cfg, s, lambda path, version: IdentityEngine(shared, path, version, args.pace))
         roles[name] = role
         marks[name]["started"] = time.time()
@@ -388,16 +414,29 @@ def samplers_main(args: argparse.Namespace) -> None:
             await trio.sleep(2.0)
 
     async def profile(start: float, seconds: float) -> None:
-        """cProfile this process's event loop (not the engine's thread) for ``seconds`` after ``start``: where a
-        sampler host's upkeep goes. Only for a profiling run: cProfile slows what it watches."""
-        import cProfile
+        """CPU time of this process's event loop per task, by the task's function, for ``seconds`` after ``start``:
+        where a sampler host's upkeep goes. A trio instrument times every task step with the thread's CPU clock,
+        so the engine's thread is not counted and nothing is sampled (cProfile distorted this code ~30x here)."""
+        from libp2p.network.stream.net_stream import NetStream
 
         await trio.sleep(start)
-        prof = cProfile.Profile()
-        prof.enable()
+        steps, streams = TaskSteps(), Counter()
+        set_protocol = NetStream.set_protocol
+
+        def counting(self: Any, protocol_id: Any) -> None:  # every stream negotiated, either side, by protocol
+            streams[str(protocol_id)] += 1
+            set_protocol(self, protocol_id)
+
+        NetStream.set_protocol = counting  # type: ignore[method-assign]
+        trio.lowlevel.add_instrument(steps)
+        t0 = time.thread_time()
         await trio.sleep(seconds)
-        prof.disable()
-        prof.dump_stats(str(root / f"profile-{args.first}.prof"))
+        trio.lowlevel.remove_instrument(steps)
+        NetStream.set_protocol = set_protocol  # type: ignore[method-assign]
+        write_json(root / f"profile-{args.first}.json", {
+            "seconds": seconds, "identities": len(names), "loop_cpu": time.thread_time() - t0,
+            "tasks": steps.totals(), "streams": dict(streams.most_common()),
+        })  # fmt: skip
 
     nursery_ref: list[Any] = []
 
@@ -442,7 +481,8 @@ class Run:
             spawn("boot", "boot")
             self._wait_file(root / "boot.addr", 300)
             rate = str(args.newcomer_rate)
-            spawn("trainer", "trainer", "--model", str(model), "--newcomer-rate", rate, "--count", str(n))
+            spawn("trainer", "trainer", "--model", str(model), "--newcomer-rate", rate, "--count", str(n),
+                  "--weights", args.weights)  # fmt: skip
             self._wait_file(root / "trainer.json", 300)
         except BaseException:
             self.stop()
@@ -453,7 +493,7 @@ class Run:
             stagger = args.join_seconds / max(1, count)  # every process joins its identities over join_seconds
             profile = ["--profile", *map(str, args.profile)] if args.profile else []
             spawn(f"samplers{p}", "samplers", "--first", str(first), "--count", str(count), "--stagger", f"{stagger}",
-                  "--pace", str(args.pace), *profile)  # fmt: skip
+                  "--pace", str(args.pace), "--weights", args.weights, *profile)  # fmt: skip
         self.k = k
 
     def _wait_file(self, path: Path, timeout: float) -> None:
@@ -648,7 +688,22 @@ def one_n(n: int, args: argparse.Namespace, model: Path) -> dict[str, Any]:
     result["announce_50_s"], result["announce_99_s"] = summarize_spread(result["spread"], n, "heard")
     result["install_50_s"], result["install_99_s"] = summarize_spread(result["spread"], n, "installed_or_later")
     print(report_line(result), flush=True)
+    prof = root / "profile-0.json"
+    if prof.exists():
+        print(profile_lines(json.loads(prof.read_text())), flush=True)
     return result
+
+
+def profile_lines(p: dict[str, Any], top: int = 15) -> str:
+    """The --profile summary: the loop's CPU per host, by task and streams negotiated per host (one process)."""
+    n, secs = p["identities"], p["seconds"]
+    lines = [f"profile of sampler process 0 ({n} hosts, {secs:.0f} s): loop {p['loop_cpu'] / secs:.2f} cores, "
+             f"{p['loop_cpu'] / secs / n * 1e3:.1f} ms/s per host"]  # fmt: skip
+    for name, (cpu, steps) in list(p["tasks"].items())[:top]:
+        lines.append(f"  {cpu / secs / n * 1e3:6.2f} ms/s per host {steps / secs / n:7.1f} steps/s  {name}")
+    for proto, count in p["streams"].items():
+        lines.append(f"  {count / secs / n:6.3f} streams/s per host  {proto}")
+    return "\n".join(lines)
 
 
 def report_line(r: dict[str, Any]) -> str:
@@ -887,6 +942,7 @@ def main() -> None:
         p.add_argument("--stagger", type=float, default=0.1)
         p.add_argument("--pace", type=float, default=0.0)
         p.add_argument("--profile", type=float, nargs=2)
+        p.add_argument("--weights", default="{}")
     ap.add_argument("--n", type=int, nargs="+", default=[16, 64, 256])
     ap.add_argument("--per-proc", type=int, default=32, help="sampler identities per process")
     ap.add_argument("--window", type=float, default=60.0, help="seconds of steady state measured per N")
@@ -897,8 +953,9 @@ def main() -> None:
                     help="seconds one sampler takes per group at the least (an emulated machine's speed; 0: as fast "
                     "as this box's share allows)")  # fmt: skip
     ap.add_argument("--profile", type=float, nargs=2, metavar=("START", "SECONDS"),
-                    help="cProfile the first sampler process's loop for SECONDS from START s after it starts "
-                    "(runs/swarm_scale/n<N>/profile-0.prof; it slows that process: not for measured runs)")  # fmt: skip
+                    help="time the first sampler process's loop by task for SECONDS from START s after it starts "
+                    "(runs/swarm_scale/n<N>/profile-0.json: CPU-seconds by task)")  # fmt: skip
+    ap.add_argument("--weights", default="{}", help="[weights] knobs for every node, as JSON (e.g. a poll interval)")
     ap.add_argument("--no-write", action="store_true", help="print only (a smoke run)")
     ap.add_argument("--merge", action="store_true", help="keep the other N's results already in the results file")
     args = ap.parse_args()

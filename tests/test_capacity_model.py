@@ -37,3 +37,37 @@ def test_throughput_meets_the_offer_below_the_knee_and_falls_short_past_it():
     assert used == pytest.approx(cores)
     # one process of 16 hosts holds at most one core: with more per process the knee comes earlier
     assert TRUE.saturation(cores, 64) < knee
+
+
+def test_task_steps_charges_each_task_its_own_cpu():
+    """--profile's instrument: a task that computes is charged its CPU, one that sleeps next to nothing."""
+    import time
+
+    import trio
+
+    from bench.swarm_scale import TaskSteps
+
+    async def busy() -> None:
+        for _ in range(5):
+            end = time.thread_time() + 0.02
+            while time.thread_time() < end:
+                pass
+            await trio.sleep(0)
+
+    async def idle() -> None:
+        for _ in range(5):
+            await trio.sleep(0.01)
+
+    steps = TaskSteps()
+
+    async def main() -> None:
+        trio.lowlevel.add_instrument(steps)  # added mid-step: that step is not counted
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(busy, name="busy")
+            nursery.start_soon(idle, name="idle")
+
+    trio.run(main)
+    totals = steps.totals()
+    assert totals["busy"][0] >= 0.09 and totals["busy"][1] >= 5
+    assert totals["idle"][0] < 0.01
+    assert next(iter(totals)) == "busy"  # sorted by CPU, most first
