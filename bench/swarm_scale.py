@@ -163,7 +163,7 @@ def trainer_main(args: argparse.Namespace) -> None:
                       max_inbound=max(250, args.count + 64))  # fmt: skip
     s = settings(
         trainer={**TRAINER, "newcomer_rate": args.newcomer_rate},
-        learner={"model_dir": Path(args.model)},
+        learner={"model_dir": Path(args.model), **json.loads(args.learner)},
         weights=json.loads(args.weights),
     )
     role = TrainerRole(cfg, s)
@@ -482,7 +482,7 @@ class Run:
             self._wait_file(root / "boot.addr", 300)
             rate = str(args.newcomer_rate)
             spawn("trainer", "trainer", "--model", str(model), "--newcomer-rate", rate, "--count", str(n),
-                  "--weights", args.weights)  # fmt: skip
+                  "--weights", args.weights, "--learner", args.learner)  # fmt: skip
             self._wait_file(root / "trainer.json", 300)
         except BaseException:
             self.stop()
@@ -943,6 +943,7 @@ def main() -> None:
         p.add_argument("--pace", type=float, default=0.0)
         p.add_argument("--profile", type=float, nargs=2)
         p.add_argument("--weights", default="{}")
+        p.add_argument("--learner", default="{}")
     ap.add_argument("--n", type=int, nargs="+", default=[16, 64, 256])
     ap.add_argument("--per-proc", type=int, default=32, help="sampler identities per process")
     ap.add_argument("--window", type=float, default=60.0, help="seconds of steady state measured per N")
@@ -955,6 +956,10 @@ def main() -> None:
     ap.add_argument("--profile", type=float, nargs=2, metavar=("START", "SECONDS"),
                     help="time the first sampler process's loop by task for SECONDS from START s after it starts "
                     "(runs/swarm_scale/n<N>/profile-0.json: CPU-seconds by task)")  # fmt: skip
+    ap.add_argument("--learner", default="{}",
+                    help="the trainer's [learner] knobs, as JSON. The embedded model's lr (3e-4) changes every weight: "
+                    "every version is a full one. RL post-training's rate, published in bf16, makes patch versions: "
+                    '{"lr": 1e-6, "publish_dtype": "bf16"}')  # fmt: skip
     ap.add_argument("--weights", default="{}", help="[weights] knobs for every node, as JSON (e.g. a poll interval)")
     ap.add_argument("--no-write", action="store_true", help="print only (a smoke run)")
     ap.add_argument("--merge", action="store_true", help="keep the other N's results already in the results file")
