@@ -24,3 +24,9 @@ async def providers_from_peer(dht: KadDHT, peer: ID, cid: str) -> list[PeerInfo]
     ``find_providers`` answers from the local store alone once it holds any record)."""
     providers, _ = await dht.provider_store._get_providers_from_peer_with_closers(peer, _encode_key(cid))
     return list(providers)
+
+
+async def provide_to_peer(dht: KadDHT, peer: ID, cid: str) -> bool:
+    """Give ``peer`` our provider record for ``cid`` directly (one ADD_PROVIDER), whether or not it is among the
+    key's closest peers: how the trusted bootstrap peers come to hold every role's records."""
+    return bool(await dht.provider_store._send_add_provider(peer, _encode_key(cid)))

@@ -1,0 +1,104 @@
+"""Role records at the trusted peers (node/discovery.py): every node gives its provider records to the connected
+bootstrap peers too, and a lookup asks them first; the DHT walks only when they have nothing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import trio
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+
+from node import discovery
+
+ME, BOOT, OTHER_BOOT, TRAINER, STRANGER = (ID(bytes([i]) * 34) for i in range(1, 6))
+
+
+@dataclass
+class FakeDht:
+    records: dict[str, list[PeerInfo]] = field(default_factory=dict)  # what the DHT's walk would find
+    walks: int = 0
+    provides: int = 0
+
+    async def find_providers(self, cid: str) -> list[PeerInfo]:
+        self.walks += 1
+        return self.records.get(cid, [])
+
+    async def provide(self, cid: str) -> bool:
+        self.provides += 1
+        return True
+
+
+class FakeHost:
+    def __init__(self, connected: list[ID]) -> None:
+        self.connected = connected
+
+    def get_connected_peers(self) -> list[ID]:
+        return self.connected
+
+
+@dataclass
+class FakeNode:
+    host: FakeHost
+    dht: FakeDht
+    trusted: frozenset[ID]
+    peer_id: ID = ME
+
+
+def node(connected: list[ID]) -> FakeNode:
+    return FakeNode(FakeHost(connected), FakeDht(), frozenset({BOOT, OTHER_BOOT}))
+
+
+async def test_a_lookup_takes_the_trusted_peers_answer_without_walking_the_dht(monkeypatch):
+    held = {BOOT: [PeerInfo(TRAINER, []), PeerInfo(ME, [])]}
+    asked: list[ID] = []
+
+    async def providers_from_peer(dht, peer, cid):
+        asked.append(peer)
+        return held.get(peer, [])
+
+    monkeypatch.setattr(discovery, "providers_from_peer", providers_from_peer)
+    n = node([BOOT, STRANGER])  # the other bootstrap peer is not connected: not asked
+    found = await discovery.find_role(n, discovery.role_key("s", "trainer"))
+    assert [i.peer_id for i in found] == [TRAINER]  # ourselves left out
+    assert asked == [BOOT] and n.dht.walks == 0
+
+
+async def test_the_dht_walks_when_the_trusted_peers_know_nothing(monkeypatch):
+    async def providers_from_peer(dht, peer, cid):
+        return []
+
+    monkeypatch.setattr(discovery, "providers_from_peer", providers_from_peer)
+    n = node([BOOT])
+    key = discovery.role_key("s", "trainer")
+    n.dht.records[discovery.dht_key(key)] = [PeerInfo(TRAINER, [])]
+    found = await discovery.find_role(n, key)
+    assert [i.peer_id for i in found] == [TRAINER] and n.dht.walks == 1
+
+
+async def test_a_trusted_peer_that_hangs_costs_a_bounded_wait(monkeypatch, autojump_clock):
+    async def providers_from_peer(dht, peer, cid):
+        await trio.sleep_forever()
+
+    monkeypatch.setattr(discovery, "providers_from_peer", providers_from_peer)
+    n = node([BOOT])
+    key = discovery.role_key("s", "trainer")
+    n.dht.records[discovery.dht_key(key)] = [PeerInfo(TRAINER, [])]
+    start = trio.current_time()
+    found = await discovery.find_role(n, key)
+    assert [i.peer_id for i in found] == [TRAINER]
+    assert trio.current_time() - start == 5.0  # one trusted peer's bound, then the DHT
+
+
+async def test_providing_gives_the_record_to_every_connected_trusted_peer(monkeypatch, autojump_clock):
+    given: list[ID] = []
+
+    async def provide_to_peer(dht, peer, cid):
+        given.append(peer)
+        return True
+
+    monkeypatch.setattr(discovery, "provide_to_peer", provide_to_peer)
+    n = node([BOOT, OTHER_BOOT, STRANGER])
+    with trio.move_on_after(1.0):
+        await discovery.provide_forever(n, discovery.role_key("s", "sampler"), 30.0)
+    assert n.dht.provides == 1 and sorted(map(str, given)) == sorted(map(str, [BOOT, OTHER_BOOT]))
