@@ -37,6 +37,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from node.connmgr import ConnLimits, ConnManager, total_connections
 from node.errors import UserError
 from node.libp2p import install as install_libp2p
+from node.libp2p import set_dht_handlers
 from node.libp2p.conns import library_limits, stop_library_dialler
 from node.private import PeerGate
 from node.reachability import Reachability, ReachOptions, is_relayed_addr
@@ -200,6 +201,9 @@ class Swarm:
             await trio.sleep(interval)
 
 
+DHT_HANDLERS = 64  # inbound DHT streams a node serves at once (py-libp2p: 12; see access.set_dht_handlers)
+
+
 @asynccontextmanager
 async def open_swarm(
     key_pair: KeyPair,
@@ -224,6 +228,7 @@ async def open_swarm(
     async with run:
         await stop_library_dialler(host.get_network())  # discovery chooses whom to dial (node/libp2p/conns.py)
         dht = KadDHT(host, DHTMode.SERVER, max_peers_per_subnet=0)
+        set_dht_handlers(dht, DHT_HANDLERS)
         async with background_trio_service(dht), open_gossip(host) as gossip, manager.running():
             swarm = Swarm(host, dht, gossip, gate, reach, manager)
             manager.protect(swarm.trusted)

@@ -102,3 +102,33 @@ async def test_providing_gives_the_record_to_every_connected_trusted_peer(monkey
     with trio.move_on_after(1.0):
         await discovery.provide_forever(n, discovery.role_key("s", "sampler"), 30.0)
     assert n.dht.provides == 1 and sorted(map(str, given)) == sorted(map(str, [BOOT, OTHER_BOOT]))
+
+
+async def test_a_node_answers_a_lookup_while_many_dht_requests_are_open(tmp_path):
+    """py-libp2p resets every inbound DHT stream past 12 at once, and waits for a stream's request without a
+    deadline: 16 streams opened and left idle made the node refuse every lookup (this test fails with 12). With
+    node.host.DHT_HANDLERS the 17th is answered."""
+    import multiaddr
+    from libp2p.custom_types import TProtocol
+    from libp2p.peer.peerinfo import info_from_p2p_addr
+
+    from node.host import DHT_HANDLERS, open_swarm
+    from node.identity import load_or_create_key
+    from node.libp2p import providers_from_peer
+
+    loopback = multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")
+    assert DHT_HANDLERS > 16
+    async with (
+        open_swarm(load_or_create_key(tmp_path / "server.key"), loopback) as server,
+        open_swarm(load_or_create_key(tmp_path / "client.key"), loopback) as client,
+    ):
+        cid = discovery.dht_key(discovery.role_key("s", "trainer"))
+        await server.dht.provide(cid)  # the server holds its own record
+        await client.connect(info_from_p2p_addr(server.addrs()[0]))
+        held = [await client.host.new_stream(server.peer_id, [TProtocol("/ipfs/kad/1.0.0")]) for _ in range(16)]
+        await trio.sleep(0.5)  # each holds a handler of the server, waiting for a request
+        with trio.fail_after(10):
+            found = await providers_from_peer(client.dht, server.peer_id, cid)
+        assert [i.peer_id for i in found] == [server.peer_id]  # answered, not reset
+        for stream in held:
+            await stream.close()

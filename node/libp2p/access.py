@@ -30,3 +30,12 @@ async def provide_to_peer(dht: KadDHT, peer: ID, cid: str) -> bool:
     """Give ``peer`` our provider record for ``cid`` directly (one ADD_PROVIDER), whether or not it is among the
     key's closest peers: how the trusted bootstrap peers come to hold every role's records."""
     return bool(await dht.provider_store._send_add_provider(peer, _encode_key(cid)))
+
+
+def set_dht_handlers(dht: KadDHT, most: int) -> None:
+    """Let ``dht`` answer up to ``most`` inbound requests at once. py-libp2p resets every stream past 12 (a guard
+    against floods of Kubo connections) and waits for a stream's request without a deadline: 12 DHT streams opened
+    and left idle, by slow peers or one hostile peer, made the node refuse every lookup (tests/test_rendezvous.py).
+    A bootstrap node is every newcomer's first DHT peer: a crowd of joiners must not be refused. A per-peer cap and
+    a deadline on the first request are the real fix (not done: py-libp2p's handler reads in a loop of its own)."""
+    dht._inbound_limiter.total_tokens = most
