@@ -22,9 +22,10 @@ from typing import Any
 import multiaddr
 import trio
 from libp2p import new_host
-from libp2p.abc import IHost
+from libp2p.abc import IHost, INetStream
 from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
+from libp2p.kad_dht.common import PROTOCOL_ID as DHT_PROTOCOL
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
@@ -202,6 +203,27 @@ class Swarm:
 
 
 DHT_HANDLERS = 64  # inbound DHT streams a node serves at once (py-libp2p: 12; see access.set_dht_handlers)
+DHT_STREAM_SECONDS = 10.0  # the longest an inbound DHT stream is served (go-libp2p resets idle ones after 60 s)
+
+
+def bound_dht_streams(host: IHost, dht: KadDHT) -> None:
+    """Serve each inbound DHT stream for ``DHT_STREAM_SECONDS`` at most, then reset it. py-libp2p's handler waits
+    for a stream's next request with no deadline, holding one of the node's few DHT slots: a client whose lookup
+    was cancelled before it closed its stream (a 10 s lookup bound, a process under load) left its slot held
+    forever. At 128 samplers the bootstrap node's slots filled so: it reset every new DHT stream (identify streams
+    still worked) and half of the newcomers, who had only it, never found the trainer."""
+
+    async def bounded(stream: INetStream) -> None:
+        with trio.move_on_after(DHT_STREAM_SECONDS) as scope:
+            await dht.handle_stream(stream)
+        if scope.cancelled_caught:
+            with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                try:
+                    await stream.reset()
+                except Exception:
+                    pass
+
+    host.set_stream_handler(DHT_PROTOCOL, bounded)
 
 
 @asynccontextmanager
@@ -229,6 +251,7 @@ async def open_swarm(
         await stop_library_dialler(host.get_network())  # discovery chooses whom to dial (node/libp2p/conns.py)
         dht = KadDHT(host, DHTMode.SERVER, max_peers_per_subnet=0)
         set_dht_handlers(dht, DHT_HANDLERS)
+        bound_dht_streams(host, dht)
         async with background_trio_service(dht), open_gossip(host) as gossip, manager.running():
             swarm = Swarm(host, dht, gossip, gate, reach, manager)
             manager.protect(swarm.trusted)

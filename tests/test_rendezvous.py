@@ -132,3 +132,39 @@ async def test_a_node_answers_a_lookup_while_many_dht_requests_are_open(tmp_path
         assert [i.peer_id for i in found] == [server.peer_id]  # answered, not reset
         for stream in held:
             await stream.close()
+
+
+async def test_an_idle_dht_stream_is_reset_and_frees_its_slot(tmp_path, monkeypatch):
+    """More idle DHT streams than the node has slots (a client cancelled before closing leaves one): each is
+    served DHT_STREAM_SECONDS at most, so a lookup is answered again once they run out, not never."""
+    import multiaddr
+    from libp2p.custom_types import TProtocol
+    from libp2p.peer.peerinfo import info_from_p2p_addr
+
+    from node import host as node_host
+    from node.identity import load_or_create_key
+    from node.libp2p import providers_from_peer
+
+    monkeypatch.setattr(node_host, "DHT_HANDLERS", 4)
+    monkeypatch.setattr(node_host, "DHT_STREAM_SECONDS", 1.0)
+    loopback = multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")
+    async with (
+        node_host.open_swarm(load_or_create_key(tmp_path / "server.key"), loopback) as server,
+        node_host.open_swarm(load_or_create_key(tmp_path / "client.key"), loopback) as client,
+    ):
+        cid = discovery.dht_key(discovery.role_key("s", "trainer"))
+        await server.dht.provide(cid)
+        await client.connect(info_from_p2p_addr(server.addrs()[0]))
+        held = [await client.host.new_stream(server.peer_id, [TProtocol("/ipfs/kad/1.0.0")]) for _ in range(4)]
+        await trio.sleep(0.3)
+        assert await providers_from_peer(client.dht, server.peer_id, cid) == []  # every slot held: refused
+        await trio.sleep(1.5)  # the held streams' time is up
+        found = await providers_from_peer(client.dht, server.peer_id, cid)
+        assert [i.peer_id for i in found] == [server.peer_id]
+        for stream in held:
+            with trio.fail_after(5):
+                try:
+                    await stream.read(1)
+                except Exception:
+                    continue  # reset by the server
+                raise AssertionError("an idle DHT stream was served past its bound")
