@@ -249,6 +249,9 @@ def dial_backoff(failures: int) -> float:
 
 
 SAMPLER_DEGREE = 24  # other samplers a sampler dials until it holds this many: a mesh whose size stays bounded
+# dials of other samplers in flight at once: one after another, 24 dials of up to 8 s each held a newcomer's
+# discovery loop for minutes at 128 samplers on one box, and with it the next look for the trainer
+DIALS_AT_ONCE = 8
 
 
 def _dial_rank(me: object, peer: object) -> bytes:
@@ -356,16 +359,23 @@ class SamplerDiscovery:
         have = sum(1 for p in connected if str(p) in self.samplers)
         known, dial = sampler_dials(list(listed), swarm.peer_id, connected, not_before, now, have)
         self.samplers.update(str(p) for p in known)
-        for peer in dial:
+        limiter = trio.CapacityLimiter(DIALS_AT_ONCE)
+
+        async def dial_one(peer: ID) -> None:
             key = str(peer)
-            try:
-                await swarm.connect(listed[peer])
-                self.samplers.add(key)
-                self._redial_at.pop(key, None)
-            except Exception as exc:
-                failures = self._redial_at.get(key, (0.0, 0))[1] + 1
-                self._redial_at[key] = (now + dial_backoff(failures), failures)
-                log.debug("cannot reach sampler %s: %s", peer, exc)
+            async with limiter:
+                try:
+                    await swarm.connect(listed[peer])
+                    self.samplers.add(key)
+                    self._redial_at.pop(key, None)
+                except Exception as exc:
+                    failures = self._redial_at.get(key, (0.0, 0))[1] + 1
+                    self._redial_at[key] = (now + dial_backoff(failures), failures)
+                    log.debug("cannot reach sampler %s: %s", peer, exc)
+
+        async with trio.open_nursery() as nursery:  # one slow peer must not hold up the others, nor the trainer
+            for peer in dial:
+                nursery.start_soon(dial_one, peer)
         if len(self._redial_at) > 10_000:
             self._redial_at.clear()
         connected = set(swarm.host.get_connected_peers())
