@@ -157,7 +157,7 @@ async def find_role(swarm: DhtNode, key: str, timeout: float = 10.0) -> list[Pee
     per peer (the DHT may repeat them). The trusted peers connected are asked first: every node gives them its
     records, so their answer is the list, in one round trip each. Only when they have none (none connected, or
     they restarted) does the DHT look, bounded by ``timeout``: a walk of the key's closest peers that took 10 s and
-    more at 48-128 samplers on one box, and timed out for half of 128 newcomers for minutes."""
+    more at 48-128 samplers on one box."""
     cid = dht_key(key)
     found = await _ask_trusted(swarm, cid)
     if not [i for i in found if i.peer_id != swarm.peer_id]:

@@ -210,8 +210,9 @@ def bound_dht_streams(host: IHost, dht: KadDHT) -> None:
     """Serve each inbound DHT stream for ``DHT_STREAM_SECONDS`` at most, then reset it. py-libp2p's handler waits
     for a stream's next request with no deadline, holding one of the node's few DHT slots: a client whose lookup
     was cancelled before it closed its stream (a 10 s lookup bound, a process under load) left its slot held
-    forever. At 128 samplers the bootstrap node's slots filled so: it reset every new DHT stream (identify streams
-    still worked) and half of the newcomers, who had only it, never found the trainer."""
+    forever. At 128 samplers the bootstrap node's slots filled so: it reset every new DHT stream during negotiation
+    (identify streams still worked), and newcomers, whose first and only DHT peer it is, could not look anything
+    up there (docs/capacity.md, section 6)."""
 
     async def bounded(stream: INetStream) -> None:
         with trio.move_on_after(DHT_STREAM_SECONDS) as scope:
