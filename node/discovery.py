@@ -126,9 +126,14 @@ async def provide_forever(swarm: DhtNode, key: str, interval: float) -> None:
         await trio.sleep(next_provide(interval, provided))
 
 
-async def _provide_to_trusted(swarm: DhtNode, cid: str) -> None:
+def _trusted_connected(swarm: DhtNode) -> list[ID]:
+    """The trusted peers (bootstrap nodes, the trainer) connected now, other than ourselves, at most TRUSTED_ASKED."""
     connected = set(swarm.host.get_connected_peers())
-    for peer in [p for p in swarm.trusted if p in connected and p != swarm.peer_id][:TRUSTED_ASKED]:
+    return [p for p in swarm.trusted if p in connected and p != swarm.peer_id][:TRUSTED_ASKED]
+
+
+async def _provide_to_trusted(swarm: DhtNode, cid: str) -> None:
+    for peer in _trusted_connected(swarm):
         with trio.move_on_after(5.0):
             try:
                 await provide_to_peer(swarm.dht, peer, cid)
@@ -142,8 +147,7 @@ async def _ask_trusted(swarm: DhtNode, cid: str) -> list[PeerInfo]:
     and a node behind a NAT receives records only from the peers it is connected to: without this, NATed peers
     never learn of each other (node/reachability.py)."""
     out: list[PeerInfo] = []
-    connected = set(swarm.host.get_connected_peers())
-    for peer in [p for p in swarm.trusted if p in connected and p != swarm.peer_id][:TRUSTED_ASKED]:
+    for peer in _trusted_connected(swarm):
         with trio.move_on_after(5.0):
             try:
                 out += await providers_from_peer(swarm.dht, peer, cid)

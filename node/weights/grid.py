@@ -274,7 +274,7 @@ def encode_grid_file(
             )
             for q in parts:
                 data = {"codes": codes, "scales": s_bits, "biases": b_bits}[q.part]
-                _pwrite(out.fileno(), np.ascontiguousarray(data).view(np.uint8), layout.tensors[q.index].offset)
+                _pwrite(out.fileno(), data, layout.tensors[q.index].offset)
             return mine
 
         with ThreadPoolExecutor(max(1, threads)) as pool:
