@@ -10,6 +10,7 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
 from node import discovery
+from tests.helpers import wait_until
 
 ME, BOOT, OTHER_BOOT, TRAINER, STRANGER = (ID(bytes([i]) * 34) for i in range(1, 6))
 
@@ -126,7 +127,8 @@ async def test_a_node_answers_a_lookup_while_many_dht_requests_are_open(tmp_path
         await server.dht.provide(cid)  # the server holds its own record
         await client.connect(info_from_p2p_addr(server.addrs()[0]))
         held = [await client.host.new_stream(server.peer_id, [TProtocol("/ipfs/kad/1.0.0")]) for _ in range(16)]
-        await trio.sleep(0.5)  # each holds a handler of the server, waiting for a request
+        slots = server.dht._inbound_limiter  # each held stream holds a handler of the server, waiting for a request
+        await wait_until(lambda: slots.borrowed_tokens == len(held), 10, 0.05, what="the held streams' handlers")
         with trio.fail_after(10):
             found = await providers_from_peer(client.dht, server.peer_id, cid)
         assert [i.peer_id for i in found] == [server.peer_id]  # answered, not reset
@@ -156,9 +158,10 @@ async def test_an_idle_dht_stream_is_reset_and_frees_its_slot(tmp_path, monkeypa
         await server.dht.provide(cid)
         await client.connect(info_from_p2p_addr(server.addrs()[0]))
         held = [await client.host.new_stream(server.peer_id, [TProtocol("/ipfs/kad/1.0.0")]) for _ in range(4)]
-        await trio.sleep(0.3)
+        slots = server.dht._inbound_limiter
+        await wait_until(lambda: slots.borrowed_tokens == 4, 10, 0.05, what="every slot held")
         assert await providers_from_peer(client.dht, server.peer_id, cid) == []  # every slot held: refused
-        await trio.sleep(1.5)  # the held streams' time is up
+        await wait_until(lambda: slots.borrowed_tokens == 0, 10, 0.05, what="the held streams' time up")
         found = await providers_from_peer(client.dht, server.peer_id, cid)
         assert [i.peer_id for i in found] == [server.peer_id]
         for stream in held:
