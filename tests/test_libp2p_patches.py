@@ -7,6 +7,7 @@ scenario inside ``libp2p_patches.disabled()``.
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 import multiaddr
 import pytest
@@ -426,3 +427,84 @@ def test_every_patch_names_an_upstream_report_and_a_test_that_exist():
         assert patch.install is None or patch.install[1] in patch.target, patch.name
     sent = {p.report.name for p in libp2p_patches.PATCHES}
     assert sent == {p.name for p in (root / "docs" / "upstream").glob("libp2p-*.md")}  # no report without a patch
+
+
+def _provider_store() -> tuple[Any, list[Any]]:
+    from libp2p.kad_dht.provider_store import ProviderStore
+    from libp2p.peer.id import ID
+
+    class Host:
+        def __init__(self) -> None:
+            self.connected: list[Any] = []
+
+        def get_id(self) -> Any:
+            return ID.from_pubkey(create_new_key_pair().public_key)
+
+        def get_connected_peers(self) -> list[Any]:
+            return self.connected
+
+    peers = [ID.from_pubkey(create_new_key_pair().public_key) for _ in range(30)]
+    return ProviderStore(Host()), peers
+
+
+def test_stock_provider_store_keeps_the_first_twenty_providers_only():
+    """Every peer provides a role's key: the stock store keeps the first 20 (48 h) and gives all 20 to every
+    lookup, so every newcomer dialled the same 20 samplers. Ours keeps them all and answers a sample."""
+    from libp2p.kad_dht.kad_dht import _encode_key
+
+    from node.libp2p import providers
+
+    key = _encode_key("bafkreigc2gtfxkff24ufrfysbpkazzp2wev7d5fryk4flvi3tv3g2uloey")
+    somewhere = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/4001")]
+    with libp2p_patches.disabled():
+        store, peers = _provider_store()
+        for peer in peers:
+            store.add_provider(key, PeerInfo(peer, somewhere))
+        assert {p.peer_id for p in store.get_providers(key)} == set(peers[:20])
+    libp2p_patches.apply()
+    store, peers = _provider_store()
+    for peer in peers:
+        store.add_provider(key, PeerInfo(peer, somewhere))
+    assert len(store.providers[key]) == 30
+    answers = [{p.peer_id for p in store.get_providers(key)} for _ in range(20)]
+    assert all(len(a) == min(30, providers.ANSWER_MOST) for a in answers)
+    assert set().union(*answers) == set(peers)  # every provider is given to someone
+
+
+def test_a_full_key_replaces_its_oldest_idle_record_and_keeps_connected_providers(monkeypatch):
+    from libp2p.kad_dht.kad_dht import _encode_key
+
+    from node.libp2p import providers
+
+    libp2p_patches.apply()
+    monkeypatch.setattr(providers, "PROVIDERS_PER_KEY", 4)
+    monkeypatch.setattr(providers, "ANSWER_MOST", 3)
+    key = _encode_key("bafkreigc2gtfxkff24ufrfysbpkazzp2wev7d5fryk4flvi3tv3g2uloey")
+    store, peers = _provider_store()
+    somewhere = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/4001")]
+    store.host.connected = [peers[0], peers[2]]
+    for peer in peers[:4]:
+        store.add_provider(key, PeerInfo(peer, somewhere))
+    store.providers[key][str(peers[1])].timestamp -= 10  # the oldest idle one
+    store.add_provider(key, PeerInfo(peers[4], somewhere))
+    assert set(store.providers[key]) == {str(p) for p in (peers[0], peers[2], peers[3], peers[4])}
+    assert {p.peer_id for p in store.get_providers(key)} >= {peers[0], peers[2]}  # the connected ones first
+    store.host.connected = list(peers)
+    store.add_provider(key, PeerInfo(peers[5], somewhere))  # every holder connected: refused
+    assert str(peers[5]) not in store.providers[key] and len(store.providers[key]) == 4
+
+
+def test_room_for_a_provider_and_the_sample_of_an_answer_are_decided_by_pure_rules():
+    import random
+
+    from node.libp2p.providers import answer_sample, make_room
+
+    held = {"a": 1.0, "b": 0.5, "c": 2.0}
+    assert make_room(held, set(), "d", 4) == (True, None)  # room left
+    assert make_room(held, set(), "a", 3) == (True, None)  # held already: updated in place
+    assert make_room(held, {"b"}, "d", 3) == (True, "a")  # the oldest not connected goes
+    assert make_room(held, {"a", "b", "c"}, "d", 3) == (False, None)  # all alive: refused
+    rng = random.Random(1)
+    sample = answer_sample(list(range(10)), lambda p: p >= 8, 4, rng)
+    assert len(sample) == 4 and set(sample[:2]) == {8, 9}
+    assert answer_sample([1, 2], lambda p: False, 4, rng) in ([1, 2], [2, 1])

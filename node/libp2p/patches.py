@@ -1,4 +1,4 @@
-"""Every py-libp2p 0.8.1 fix, in one table (``PATCHES``), and the six applied in place by ``apply()``.
+"""Every py-libp2p 0.8.1 fix, in one table (``PATCHES``), and the seven applied in place by ``apply()``.
 
 ``PATCHES`` names each fix: the upstream bug (``upstream``), the library code it replaces or overrides
 (``target``), ours (``ours``), the test that reproduces the bug on stock code (``test``) and the report ready to
@@ -104,6 +104,13 @@ unanswered: idle connections of ~250 fresh identities lock every new peer out wh
 one address. Replaced by ``node/libp2p/conns.py`` ``_handle_inbound_connection``: the same method asking the
 ``Admission`` attached to the swarm (node/connmgr.py ``ConnManager``: per-address caps, pruning the idlest
 connection when the slots run out) before taking a slot; upstream's behaviour when none is attached.
+
+7. twenty providers per key, the first twenty (issue 29)
+--------------------------------------------------------
+``ProviderStore.add_provider`` (kad_dht/provider_store.py l. 563-600) refuses a key's 21st provider for as long as
+the first 20 records live (48 h), and ``get_providers`` answers every lookup with all of them: every node learned
+the same 20 samplers of a role every sampler provides. Replaced by node/libp2p/providers.py (its docstring says
+how): many records per key, the oldest idle one replaced when full, each lookup answered with a sample.
 """
 
 from __future__ import annotations
@@ -130,6 +137,7 @@ from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH
 from libp2p.stream_muxer.yamux import yamux as _yamux
 from libp2p.transport.tcp.tcp import TCP
 
+from node.libp2p import providers as _providers
 from node.libp2p.conns import _handle_inbound_connection
 from node.libp2p.nat import is_relayed_addr
 from node.libp2p.version import check_version
@@ -485,6 +493,22 @@ PATCHES: tuple[Patch, ...] = (
         "libp2p.kad_dht.provider_store.ProviderStore.find_providers",
         "node/libp2p/access.py providers_from_peer (node/discovery.py asks the trusted peers too)",
         _T + "test_stock_find_providers_answers_from_the_local_store_alone",
+    ),
+    Patch(
+        "dht-twenty-providers",
+        "a provider store keeps the first 20 providers of a key for 48 h and answers every lookup with all of them",
+        "libp2p.kad_dht.provider_store.ProviderStore.add_provider",
+        "node/libp2p/providers.py add_provider (make_room decides)",
+        _T + "test_stock_provider_store_keeps_the_first_twenty_providers_only",
+        (ProviderStore, "add_provider", _providers.add_provider),
+    ),
+    Patch(
+        "dht-twenty-providers",
+        "(the same bug: the answering half of the fix)",
+        "libp2p.kad_dht.provider_store.ProviderStore.get_providers",
+        "node/libp2p/providers.py get_providers (answer_sample decides)",
+        _T + "test_stock_provider_store_keeps_the_first_twenty_providers_only",
+        (ProviderStore, "get_providers", _providers.get_providers),
     ),
     Patch(
         "dial-one-address",
