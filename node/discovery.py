@@ -92,38 +92,63 @@ def role_cid(swarm_name: str, role: str) -> str:
 
 
 PROVIDE_CAP = 20  # x interval: the longest between re-provides of a settled record (10 min at the default 30 s)
+PROVIDE_SPREAD = 2  # x interval: a node's first DHT provide comes at a point of [0, this) when a trusted peer took it
 
 
-def next_provide(interval: float, provided: int) -> float:
-    """Seconds until the next re-provide after ``provided`` provides in a row reached some peer (0: the last one
-    failed: again soon). Each provide is a DHT walk plus ADD_PROVIDER streams to the k = 20 closest peers: every
+def next_provide(interval: float, provided: int, failed: int = 0) -> float:
+    """Seconds until the next re-provide after ``provided`` provides in a row reached some peer, or ``failed`` in a
+    row reached none. Each provide is a DHT walk plus ADD_PROVIDER streams to the k = 20 closest peers: every
     host doing that every 30 s was, with the lookups, a large part of a sampler's upkeep at N = 32-64
     (bench/swarm_scale). Records live 48 h in py-libp2p (go-libp2p re-provides every 22 h); re-providing often
     matters while the swarm is young and its closest peers to a key still change, so the interval doubles from
-    ``interval`` up to ``PROVIDE_CAP`` x."""
+    ``interval`` up to ``PROVIDE_CAP`` x. A failed provide is retried after 2 s, doubling up to ``interval``: a
+    provide fails when the swarm is too busy to answer, and retrying it every 2 s added to that load."""
     if provided <= 0:
-        return min(interval, 2.0)
+        return min(interval, 2.0 * 2 ** min(max(failed, 1) - 1, 16))
     return min(PROVIDE_CAP * interval, interval * 2 ** min(provided - 1, 16))
 
 
+def first_dht_provide(trusted_took: int, interval: float, point: float) -> float:
+    """Seconds from a node's start to its first DHT provide of a role record. When a trusted peer took the record
+    (``trusted_took`` > 0), newcomers find it there in one round trip, and the DHT's copy can wait: at ``point``
+    (in [0, 1), fixed per node and key: ``spread_point``) of ``PROVIDE_SPREAD`` x ``interval``. A join wave
+    otherwise walked the DHT all at once, each node sending ADD_PROVIDERs to the same 20 peers closest to the role
+    key: at N = 64-128 on one box, lookups waited for those streams past their deadline (bench/swarm_scale). With
+    no trusted peer holding it, the DHT is how the node is found: at once."""
+    if trusted_took <= 0:
+        return 0.0
+    return PROVIDE_SPREAD * interval * min(max(point, 0.0), 1.0)
+
+
+def spread_point(peer_id: ID, cid: str) -> float:
+    """A point in [0, 1) fixed by the node and the key (the first 8 bytes of their sha256): nodes spread evenly,
+    and a restarted node keeps its place."""
+    digest = hashlib.sha256(peer_id.to_bytes() + cid.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
 TRUSTED_ASKED = 2  # trusted peers (bootstrap nodes, the trainer) a node gives its records to and asks for others'
+TRUSTED_TIMEOUT = 10.0  # seconds a trusted peer has to answer a lookup or take a record
 
 
 async def provide_forever(swarm: DhtNode, key: str, interval: float) -> None:
-    """Provide the readable role key ``key`` (stored under ``dht_key(key)``) now and again on ``next_provide``'s
-    schedule: to the key's closest peers (the DHT's way) and to the trusted peers connected (``_ask_trusted``
-    asks them first: one round trip for a newcomer, where a DHT lookup took 10 s and more at 48-128 samplers)."""
+    """Provide the readable role key ``key`` (stored under ``dht_key(key)``) to the trusted peers connected
+    (``_ask_trusted`` asks them first: one round trip for a newcomer, where a DHT lookup took 10 s and more at
+    48-128 samplers), then to the key's closest peers, the DHT's way (``first_dht_provide``), and again on
+    ``next_provide``'s schedule."""
     cid = dht_key(key)
-    provided = 0
+    took = await _provide_to_trusted(swarm, cid)
+    await trio.sleep(first_dht_provide(took, interval, spread_point(swarm.peer_id, cid)))
+    provided = failed = 0
     while True:
         try:
             ok = await swarm.dht.provide(cid)
         except Exception as exc:
             log.debug("provide %s (%s) failed: %s", key, cid, exc)
             ok = False
+        provided, failed = (provided + 1, 0) if ok else (0, failed + 1)
+        await trio.sleep(next_provide(interval, provided, failed))
         await _provide_to_trusted(swarm, cid)
-        provided = provided + 1 if ok else 0
-        await trio.sleep(next_provide(interval, provided))
 
 
 def _trusted_connected(swarm: DhtNode) -> list[ID]:
@@ -132,39 +157,67 @@ def _trusted_connected(swarm: DhtNode) -> list[ID]:
     return [p for p in swarm.trusted if p in connected and p != swarm.peer_id][:TRUSTED_ASKED]
 
 
-async def _provide_to_trusted(swarm: DhtNode, cid: str) -> None:
-    for peer in _trusted_connected(swarm):
-        with trio.move_on_after(5.0):
+async def _provide_to_trusted(swarm: DhtNode, cid: str) -> int:
+    """Give the record to the trusted peers connected, all at once; how many took it."""
+    took = 0
+
+    async def give(peer: ID) -> None:
+        nonlocal took
+        with trio.move_on_after(TRUSTED_TIMEOUT):
             try:
-                await provide_to_peer(swarm.dht, peer, cid)
+                took += bool(await provide_to_peer(swarm.dht, peer, cid))
             except Exception as exc:
                 log.debug("provide %s to %s: %s", cid, peer, exc)
 
+    async with trio.open_nursery() as nursery:
+        for peer in _trusted_connected(swarm):
+            nursery.start_soon(give, peer)
+    return took
 
-async def _ask_trusted(swarm: DhtNode, cid: str) -> list[PeerInfo]:
+
+async def _ask_trusted(swarm: DhtNode, cid: str) -> tuple[list[PeerInfo], int, int]:
     """Providers as the connected bootstrap peers / trainer know them (every node gives them its records:
-    ``provide_forever``). py-libp2p's find_providers answers from the local store alone once it holds any record,
-    and a node behind a NAT receives records only from the peers it is connected to: without this, NATed peers
-    never learn of each other (node/reachability.py)."""
+    ``provide_forever``), asked all at once; with how many were asked and how many answered in time.
+    py-libp2p's find_providers answers from the local store alone once it holds any record, and a node behind a
+    NAT receives records only from the peers it is connected to: without this, NATed peers never learn of each
+    other (node/reachability.py)."""
     out: list[PeerInfo] = []
-    for peer in _trusted_connected(swarm):
-        with trio.move_on_after(5.0):
+    answered = 0
+
+    async def ask(peer: ID) -> None:
+        nonlocal answered
+        with trio.move_on_after(TRUSTED_TIMEOUT):
             try:
-                out += await providers_from_peer(swarm.dht, peer, cid)
+                out.extend(await providers_from_peer(swarm.dht, peer, cid))
+                answered += 1
             except Exception as exc:
                 log.debug("providers of %s from %s: %s", cid, peer, exc)
-    return out
+
+    asked = _trusted_connected(swarm)
+    async with trio.open_nursery() as nursery:
+        for peer in asked:
+            nursery.start_soon(ask, peer)
+    return out, len(asked), answered
+
+
+def walk_after_trusted(asked: int, answered: int, found: bool) -> bool:
+    """Whether a lookup walks the DHT after asking the trusted peers: when they found nothing and either none was
+    asked (none connected) or one answered (they do not hold the record: restarted, or the provider never reached
+    them). Not when every one asked was too slow: they are busy, and so, most likely, is the swarm; a walk is tens
+    of streams and dials more, and at N = 64-128 on one box the walks that followed such timeouts kept the next
+    lookups waiting past their deadlines too. The caller looks again on its own schedule."""
+    return not found and (asked == 0 or answered > 0)
 
 
 async def find_role(swarm: DhtNode, key: str, timeout: float = 10.0) -> list[PeerInfo]:
     """Providers of the readable role key ``key`` (looked up as ``dht_key(key)``) other than ourselves, one entry
     per peer (the DHT may repeat them). The trusted peers connected are asked first: every node gives them its
-    records, so their answer is the list, in one round trip each. Only when they have none (none connected, or
-    they restarted) does the DHT look, bounded by ``timeout``: a walk of the key's closest peers that took 10 s and
-    more at 48-128 samplers on one box."""
+    records, so their answer is the list, in one round trip each. The DHT walks only as ``walk_after_trusted``
+    says, bounded by ``timeout``: a walk of the key's closest peers that took 10 s and more at 48-128 samplers on
+    one box."""
     cid = dht_key(key)
-    found = await _ask_trusted(swarm, cid)
-    if not [i for i in found if i.peer_id != swarm.peer_id]:
+    found, asked, answered = await _ask_trusted(swarm, cid)
+    if walk_after_trusted(asked, answered, any(i.peer_id != swarm.peer_id for i in found)):
         with trio.move_on_after(timeout):
             try:
                 found += list(await swarm.dht.find_providers(cid))

@@ -87,6 +87,11 @@ def test_a_record_that_reached_peers_is_re_provided_ever_less_often_up_to_a_cap(
     assert discovery.next_provide(30.0, 0) == 2.0  # the last provide reached no one: again soon
 
 
+def test_a_provide_that_keeps_failing_is_retried_ever_less_often_up_to_the_interval():
+    waits = [discovery.next_provide(30.0, 0, failed) for failed in range(1, 8)]
+    assert waits == [2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0]
+
+
 def test_the_mesh_is_settled_when_full_or_when_every_listed_sampler_is_connected_or_gone():
     listed = ["me", "a", "b", "c"]
     assert discovery.mesh_settled(listed, "me", {"a", "b", "c"}, {}, have=3)

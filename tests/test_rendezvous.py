@@ -1,5 +1,6 @@
 """Role records at the trusted peers (node/discovery.py): every node gives its provider records to the connected
-bootstrap peers too, and a lookup asks them first; the DHT walks only when they have nothing."""
+bootstrap peers first, and a lookup asks them first; the DHT walks only when they have nothing, and a node's first
+DHT provide waits its turn when they took its record."""
 
 from __future__ import annotations
 
@@ -77,32 +78,81 @@ async def test_the_dht_walks_when_the_trusted_peers_know_nothing(monkeypatch):
     assert [i.peer_id for i in found] == [TRAINER] and n.dht.walks == 1
 
 
-async def test_a_trusted_peer_that_hangs_costs_a_bounded_wait(monkeypatch, autojump_clock):
+async def test_a_trusted_peer_too_slow_to_answer_is_busy_not_empty_the_dht_is_not_walked(monkeypatch, autojump_clock):
     async def providers_from_peer(dht, peer, cid):
         await trio.sleep_forever()
 
     monkeypatch.setattr(discovery, "providers_from_peer", providers_from_peer)
-    n = node([BOOT])
+    n = node([BOOT, OTHER_BOOT])
     key = discovery.role_key("s", "trainer")
     n.dht.records[discovery.dht_key(key)] = [PeerInfo(TRAINER, [])]
     start = trio.current_time()
-    found = await discovery.find_role(n, key)
-    assert [i.peer_id for i in found] == [TRAINER]
-    assert trio.current_time() - start == 5.0  # one trusted peer's bound, then the DHT
+    assert await discovery.find_role(n, key) == []
+    assert trio.current_time() - start == discovery.TRUSTED_TIMEOUT  # both asked at once, one bound
+    assert n.dht.walks == 0
 
 
-async def test_providing_gives_the_record_to_every_connected_trusted_peer(monkeypatch, autojump_clock):
-    given: list[ID] = []
+async def test_with_no_trusted_peer_connected_the_dht_is_walked(monkeypatch):
+    async def providers_from_peer(dht, peer, cid):
+        raise AssertionError("no trusted peer is connected: none is asked")
+
+    monkeypatch.setattr(discovery, "providers_from_peer", providers_from_peer)
+    n = node([STRANGER])
+    key = discovery.role_key("s", "trainer")
+    n.dht.records[discovery.dht_key(key)] = [PeerInfo(TRAINER, [])]
+    assert [i.peer_id for i in await discovery.find_role(n, key)] == [TRAINER] and n.dht.walks == 1
+
+
+def test_the_dht_is_walked_unless_the_trusted_peers_found_it_or_were_all_too_slow():
+    assert discovery.walk_after_trusted(asked=0, answered=0, found=False)  # none connected
+    assert discovery.walk_after_trusted(asked=2, answered=1, found=False)  # one answered: it holds nothing
+    assert not discovery.walk_after_trusted(asked=2, answered=1, found=True)
+    assert not discovery.walk_after_trusted(asked=2, answered=0, found=False)  # both busy: look again later
+
+
+async def test_providing_gives_the_record_to_the_trusted_peers_at_once_and_to_the_dht_later(
+    monkeypatch, autojump_clock
+):
+    given: list[tuple[float, ID]] = []
 
     async def provide_to_peer(dht, peer, cid):
-        given.append(peer)
+        given.append((trio.current_time(), peer))
         return True
 
     monkeypatch.setattr(discovery, "provide_to_peer", provide_to_peer)
     n = node([BOOT, OTHER_BOOT, STRANGER])
-    with trio.move_on_after(1.0):
+    key = discovery.role_key("s", "sampler")
+    first = discovery.first_dht_provide(2, 30.0, discovery.spread_point(ME, discovery.dht_key(key)))
+    assert 0.0 < first < discovery.PROVIDE_SPREAD * 30.0
+    start = trio.current_time()
+    with trio.move_on_after(first - 0.1):
+        await discovery.provide_forever(n, key, 30.0)
+    assert sorted(map(str, (p for _, p in given))) == sorted(map(str, [BOOT, OTHER_BOOT]))
+    assert all(t == start for t, _ in given) and n.dht.provides == 0  # the trusted peers now, the DHT not yet
+    with trio.move_on_after(first + 0.1):
+        await discovery.provide_forever(n, key, 30.0)
+    assert n.dht.provides == 1
+
+
+async def test_a_node_no_trusted_peer_took_provides_to_the_dht_at_once(monkeypatch, autojump_clock):
+    async def provide_to_peer(dht, peer, cid):
+        return False
+
+    monkeypatch.setattr(discovery, "provide_to_peer", provide_to_peer)
+    n = node([BOOT, STRANGER])
+    with trio.move_on_after(0.1):
         await discovery.provide_forever(n, discovery.role_key("s", "sampler"), 30.0)
-    assert n.dht.provides == 1 and sorted(map(str, given)) == sorted(map(str, [BOOT, OTHER_BOOT]))
+    assert n.dht.provides == 1
+
+
+def test_first_dht_provides_spread_over_the_window_when_a_trusted_peer_holds_the_record():
+    assert discovery.first_dht_provide(0, 30.0, 0.7) == 0.0
+    assert discovery.first_dht_provide(1, 30.0, 0.5) == discovery.PROVIDE_SPREAD * 30.0 * 0.5
+    key = discovery.dht_key(discovery.role_key("s", "sampler"))
+    points = [discovery.spread_point(ID(bytes([7, i]) * 17), key) for i in range(200)]
+    assert all(0.0 <= p < 1.0 for p in points)
+    assert sum(p < 0.5 for p in points) in range(70, 131)  # spread, not bunched
+    assert discovery.spread_point(ID(bytes([7, 1]) * 17), key) == points[1]  # fixed per node and key
 
 
 async def test_a_node_answers_a_lookup_while_many_dht_requests_are_open(tmp_path):
