@@ -17,6 +17,7 @@ from node.config import NodeConfig
 from node.discovery import SamplerDiscovery, provide_forever, role_key
 from node.engines import Engine
 from node.engines import install as install_weights
+from node.errors import describe
 from node.host import Swarm
 from node.roles.trainer_rpc import TrainerClient
 from node.rpc import backpressure
@@ -167,7 +168,7 @@ class SamplerRole:
                 await trio.sleep(backoff := min(backoff * 2, 30.0))
                 continue
             except (ProtocolError, trio.TooSlowError, Exception) as exc:
-                self.last_error = f"{type(exc).__name__}: {exc}"
+                self.last_error = describe(exc)
                 log.info("work request failed (%s); looking for the trainer again", self.last_error)
                 self.discovery.lost_trainer()  # it may have restarted, or moved: find it again
                 await trio.sleep(backoff := min(backoff * 2, 10.0))
