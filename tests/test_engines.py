@@ -161,3 +161,25 @@ def test_loads_in_several_threads_at_once_all_get_real_weights(tiny_model_dir):
         t.join()
     assert not errors, errors
     assert torch.get_default_dtype() == torch.float32  # no thread's bf16 load left its default behind
+
+
+def test_an_error_is_described_with_every_exception_it_was_raised_from():
+    from node.errors import describe
+
+    def failing() -> None:
+        try:
+            try:
+                raise TimeoutError("response timed out after 10s")
+            except TimeoutError as inner:
+                raise ConnectionError("stream negotiation failed") from inner
+        except ConnectionError:
+            raise RuntimeError("failed to open a stream to peer P")  # noqa: B904 (implicit context, as py-libp2p)
+
+    try:
+        failing()
+    except RuntimeError as exc:
+        assert describe(exc) == (
+            "RuntimeError: failed to open a stream to peer P <- ConnectionError: stream negotiation failed"
+            " <- TimeoutError: response timed out after 10s"
+        )
+    assert describe(ValueError("plain")) == "ValueError: plain"
