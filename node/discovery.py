@@ -283,15 +283,13 @@ def trainer_step(found: bool, connected: bool) -> str:
 QUIET_CAP = 30  # x interval: the longest a sampler with nothing to learn waits between looks (60 s at 2 s)
 
 
-def next_look(trainer_found: bool, interval: float, quiet: int = 0) -> float:
-    """Seconds until discovery looks again (it wakes at once when the trainer or a sampler connection is lost):
-    every ``interval`` while it searches for the trainer; with the trainer, 4x that, doubled for each look in a row
-    that found the mesh settled and taught it nothing (``quiet``: see ``mesh_settled``), up to ``QUIET_CAP`` x.
-    N samplers asking the DHT every 8 s forever was N/8 lookups/s of the swarm's upkeep (bench/swarm_scale) for a
-    list that changes only when samplers join or leave, and a newcomer dials those it finds: the others need not
-    look for it (go-libp2p's backoff discovery does the same)."""
-    if not trainer_found:
-        return interval
+def next_look(interval: float, quiet: int = 0) -> float:
+    """Seconds until discovery looks for samplers again (it wakes at once when a sampler connection is lost): 4x
+    ``interval``, doubled for each look in a row that found the mesh settled and taught it nothing (``quiet``: see
+    ``mesh_settled``), up to ``QUIET_CAP`` x. N samplers asking the DHT every 8 s forever was N/8 lookups/s of the
+    swarm's upkeep (bench/swarm_scale) for a list that changes only when samplers join or leave, and a newcomer
+    dials those it finds: the others need not look for it (go-libp2p's backoff discovery does the same). The
+    trainer is looked for on its own, every ``interval`` until found (``SamplerDiscovery.keep_trainer``)."""
     return min(QUIET_CAP * interval, 4 * interval * 2 ** min(quiet, 8))
 
 
@@ -374,24 +372,37 @@ class SamplerDiscovery:
         self.trainer_addrs: list[Multiaddr] = read_trainer_addrs(remember, trainer_id) if remember else []
         self.samplers: set[str] = set()  # every sampler the DHT listed that we have been connected to
         self._redial_at: dict[str, tuple[float, int]] = {}  # sampler -> (not before, failures): dial backoff
-        self._wake = trio.Event()  # set when the trainer or a sampler connection is lost: the loop looks at once
+        self._wake = trio.Event()  # set when a sampler connection is lost: the mesh looks at once
+        self._trainer_wake = trio.Event()  # set when the trainer is lost: it is looked for at once
         self.quiet = 0  # looks in a row that taught us nothing (next_look backs off)
 
     def lost_trainer(self) -> None:
         """The trainer stopped answering (it may have restarted, or moved): find it again, now."""
         self.trainer_found = trio.Event()
-        self._wake.set()
+        self._trainer_wake.set()
 
     def lost_connection(self, peer: ID, still_connected: bool) -> None:
-        """A connection closed: when it was our last to a sampler we know, look (and redial) now."""
-        if str(peer) in self.samplers and not still_connected:
+        """A connection closed: when it was our last to the trainer or to a sampler we know, look (and redial) now."""
+        if still_connected:
+            return
+        if peer == self.trainer_id:
+            self._trainer_wake.set()
+        elif str(peer) in self.samplers:
             self.quiet = 0
             self._wake.set()
 
     async def run(self, swarm: DialingNode) -> None:
         swarm.host.get_network().register_notifee(_Disconnects(self))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.keep_trainer, swarm)
+            nursery.start_soon(self.keep_mesh, swarm)
+
+    async def keep_trainer(self, swarm: DialingNode) -> None:
+        """The trainer found (every ``interval`` until it is) and kept: looked for again when its connection is
+        lost. A task of its own: while the mesh's dials ran first in one loop (up to 24 samplers, 8 at a time, 10 s
+        each), a newcomer's next look for the trainer waited for them (bench/swarm_scale, N = 64)."""
         while True:
-            self._wake = trio.Event()
+            self._trainer_wake = trio.Event()
             connected = self.trainer_id in swarm.host.get_connected_peers()
             step = trainer_step(self.trainer_found.is_set(), connected)
             if step == "adopt":
@@ -400,9 +411,17 @@ class SamplerDiscovery:
                 await self.find_trainer(swarm)
             elif not self.trainer_addrs:  # adopted before identify said where it listens: take them once it has
                 self.remember_trainer(self._listed_trainer_addrs(swarm))
+            found = self.trainer_found.is_set() and bool(self.trainer_addrs)
+            with trio.move_on_after(QUIET_CAP * self.interval if found else self.interval):
+                await self._trainer_wake.wait()
+
+    async def keep_mesh(self, swarm: DialingNode) -> None:
+        """Connected to up to our degree of the samplers the DHT lists, looked for on ``next_look``'s schedule."""
+        while True:
+            self._wake = trio.Event()
             unsettled = await self.connect_samplers(swarm)
             self.quiet = 0 if unsettled else self.quiet + 1
-            with trio.move_on_after(next_look(self.trainer_found.is_set(), self.interval, self.quiet)):
+            with trio.move_on_after(next_look(self.interval, self.quiet)):
                 await self._wake.wait()
 
     async def connect_samplers(self, swarm: DialingNode) -> bool:

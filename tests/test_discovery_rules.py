@@ -15,15 +15,13 @@ def test_the_trainer_is_looked_for_until_found_and_whenever_its_connection_is_go
     assert discovery.trainer_step(found=True, connected=True) == "keep"
     # connected to the trusted id (authenticated by the connection) but never looked up: taken as it is, no lookup
     assert discovery.trainer_step(found=False, connected=True) == "adopt"
-    assert discovery.next_look(False, 3.0) == 3.0 and discovery.next_look(True, 3.0) == 12.0
 
 
 def test_a_sampler_that_learns_nothing_looks_ever_less_often_up_to_a_cap():
     """N samplers each asking the DHT every 8 s forever was N/8 lookups/s of upkeep (bench/swarm_scale)."""
-    waits = [discovery.next_look(True, 2.0, quiet) for quiet in range(8)]
+    waits = [discovery.next_look(2.0, quiet) for quiet in range(8)]
     assert waits[:4] == [8.0, 16.0, 32.0, 60.0]
     assert max(waits) == discovery.QUIET_CAP * 2.0 == 60.0
-    assert discovery.next_look(False, 2.0, 7) == 2.0  # searching for the trainer: no backoff
 
 
 def test_losing_the_last_connection_to_a_known_sampler_wakes_discovery_at_once():
@@ -35,7 +33,9 @@ def test_losing_the_last_connection_to_a_known_sampler_wakes_discovery_at_once()
     d.lost_connection(known, still_connected=True)  # another connection to it remains
     assert not d._wake.is_set() and d.quiet == 5
     d.lost_connection(known, still_connected=False)
-    assert d._wake.is_set() and d.quiet == 0
+    assert d._wake.is_set() and d.quiet == 0 and not d._trainer_wake.is_set()
+    d.lost_connection(ID(b"trainer"), still_connected=False)  # the trainer's last connection: looked for at once
+    assert d._trainer_wake.is_set()
 
 
 def test_only_the_trusted_trainers_provider_records_are_followed():
