@@ -97,6 +97,7 @@ DIAL_BACK_TIMEOUT = 5.0  # seconds for one dial-back (a NAT drops the SYN: no an
 DIAL_BACK_EVERY = 5.0  # a peer may ask us for a dial-back this often
 QUERY_TIMEOUT = 15.0
 RELAYS_WANTED = 2
+CHECK_CAP = 16  # x the check interval: the longest between dial-back checks while the verdict holds (16 min at 60 s)
 DIRECT_DIAL_TIMEOUT = 4.0  # before falling back to a relay
 PUNCH_RETRY_AFTER = 60.0  # seconds between rounds of hole-punch attempts for a pair that stays relayed
 RELAYED_GRACE = 5.0  # a relayed connection is closed this long after a direct one to the same peer is up
@@ -109,6 +110,17 @@ DIAL_BACK_IP_RATE = 0.2  # then this many a second (12 a minute)
 
 
 # -- limits: whom the relay and the dial-back server serve (pure rules; the mechanics are node/libp2p/nat.py's) ----
+
+
+def next_check(state: str, interval: float, held: int) -> float:
+    """Seconds until the next dial-back check of our reachability: 3 s while it is unknown; once known, ``interval``,
+    doubled for each check in a row that kept the verdict (``held``), up to ``CHECK_CAP`` x. Each check has up to
+    4 peers dial us back, a new connection each (TCP, Noise, identify) closed at once: every node checking every
+    60 s forever was most of the connections a sampler host opened and closed once settled (bench/swarm_scale, 64
+    samplers). go-libp2p's AutoNAT re-checks every 15 min once confident, after 90 s when unsure."""
+    if state == UNKNOWN:
+        return 3.0
+    return min(CHECK_CAP * interval, interval * 2 ** min(held, 16))
 
 
 def ip_group(ip: str) -> str:
@@ -485,12 +497,13 @@ class Reachability:
         return (trusted + others)[:4]
 
     async def _check_loop(self) -> None:
+        held = 0
         while True:
-            servers = self._servers()
+            servers, before = self._servers(), self.state
             if servers:
                 await self.check(servers)
-            interval = self.options.check_interval if self.state != UNKNOWN else 3.0
-            await trio.sleep(interval)
+            held = held + 1 if servers and self.state == before else 0
+            await trio.sleep(next_check(self.state, self.options.check_interval, held))
 
     async def check(self, servers: list[ID]) -> str:
         addrs = [a.to_bytes() for a in self.host.get_transport_addrs()]

@@ -23,6 +23,7 @@ from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_ms
 from libp2p.tools.anyio_service import background_trio_service
 from libp2p.utils.varint import encode_varint_prefixed, read_varint_prefixed_bytes_limited
 
+from node import reachability
 from node.host import build_host, open_swarm
 from node.libp2p import DialBack
 from node.reachability import (
@@ -54,6 +55,14 @@ def test_ip_group_is_the_ipv4_address_or_the_ipv6_64():
     assert ip_group("::ffff:203.0.113.7") == "203.0.113.7"
     assert ip_group("2001:db8:1:2::5") == ip_group("2001:db8:1:2:ffff::9") == "2001:db8:1:2::/64"
     assert ip_group("2001:db8:1:3::5") != ip_group("2001:db8:1:2::5")
+
+
+def test_reachability_is_rechecked_ever_less_often_while_the_verdict_holds():
+    waits = [reachability.next_check(reachability.PUBLIC, 60.0, held) for held in range(7)]
+    assert waits == [60.0, 120.0, 240.0, 480.0, 960.0, 960.0, 960.0]
+    assert max(waits) == reachability.CHECK_CAP * 60.0
+    assert reachability.next_check(reachability.PRIVATE, 60.0, 0) == 60.0  # just changed: soon again
+    assert reachability.next_check(reachability.UNKNOWN, 60.0, 5) == 3.0
 
 
 def test_reservation_refusal_one_per_peer_a_few_per_ip_then_no_free_slot():
