@@ -417,25 +417,54 @@ def samplers_main(args: argparse.Namespace) -> None:
         """CPU time of this process's event loop per task, by the task's function, for ``seconds`` after ``start``:
         where a sampler host's upkeep goes. A trio instrument times every task step with the thread's CPU clock,
         so the engine's thread is not counted and nothing is sampled (cProfile distorted this code ~30x here)."""
+        import struct
+
         from libp2p.network.stream.net_stream import NetStream
+        from libp2p.network.swarm import Swarm as Network
+        from libp2p.stream_muxer.yamux import yamux
 
         await trio.sleep(start)
-        steps, streams = TaskSteps(), Counter()
-        set_protocol = NetStream.set_protocol
+        steps, streams, frames, conns = TaskSteps(), Counter(), Counter(), Counter()
+        set_protocol, read_exactly, add_conn, remove_conn = (
+            NetStream.set_protocol, yamux.read_exactly, Network.add_conn, Network.remove_conn)  # fmt: skip
+        kinds = {yamux.TYPE_DATA: "data", yamux.TYPE_WINDOW_UPDATE: "window", yamux.TYPE_PING: "ping",
+                 yamux.TYPE_GO_AWAY: "go-away"}  # fmt: skip
+        flags = ((yamux.FLAG_SYN, "SYN"), (yamux.FLAG_ACK, "ACK"), (yamux.FLAG_FIN, "FIN"), (yamux.FLAG_RST, "RST"))
 
         def counting(self: Any, protocol_id: Any) -> None:  # every stream negotiated, either side, by protocol
             streams[str(protocol_id)] += 1
             set_protocol(self, protocol_id)
 
-        NetStream.set_protocol = counting  # type: ignore[method-assign]
+        async def reading(conn: Any, n: int) -> bytes:  # every yamux frame header read, by type and flags
+            data = await read_exactly(conn, n)
+            if n == yamux.HEADER_SIZE:
+                _, typ, flag, _, length = struct.unpack(yamux.YAMUX_HEADER_FORMAT, data)
+                named = "+".join(name for bit, name in flags if flag & bit)
+                frames[
+                    f"{kinds.get(typ, typ)}{' ' + named if named else ''}{' empty' if typ == 0 and not length else ''}"
+                ] += 1
+            return data
+
+        async def adding(self: Any, *args: Any, **kwargs: Any) -> Any:
+            conns["opened"] += 1
+            return await add_conn(self, *args, **kwargs)
+
+        def removing(self: Any, conn: Any) -> None:
+            conns["closed"] += 1
+            remove_conn(self, conn)
+
+        NetStream.set_protocol, yamux.read_exactly = counting, reading  # type: ignore[method-assign]
+        Network.add_conn, Network.remove_conn = adding, removing  # type: ignore[method-assign]
         trio.lowlevel.add_instrument(steps)
         t0 = time.thread_time()
         await trio.sleep(seconds)
         trio.lowlevel.remove_instrument(steps)
-        NetStream.set_protocol = set_protocol  # type: ignore[method-assign]
+        NetStream.set_protocol, yamux.read_exactly = set_protocol, read_exactly  # type: ignore[method-assign]
+        Network.add_conn, Network.remove_conn = add_conn, remove_conn  # type: ignore[method-assign]
         write_json(root / f"profile-{args.first}.json", {
             "seconds": seconds, "identities": len(names), "loop_cpu": time.thread_time() - t0,
-            "tasks": steps.totals(), "streams": dict(streams.most_common()),
+            "tasks": steps.totals(), "streams": dict(streams.most_common()), "frames": dict(frames.most_common()),
+            "connections": dict(conns),
         })  # fmt: skip
 
     nursery_ref: list[Any] = []
@@ -703,6 +732,10 @@ def profile_lines(p: dict[str, Any], top: int = 15) -> str:
         lines.append(f"  {cpu / secs / n * 1e3:6.2f} ms/s per host {steps / secs / n:7.1f} steps/s  {name}")
     for proto, count in p["streams"].items():
         lines.append(f"  {count / secs / n:6.3f} streams/s per host  {proto}")
+    for kind, count in p.get("frames", {}).items():
+        lines.append(f"  {count / secs / n:6.2f} yamux frames read/s per host  {kind}")
+    for what, count in p.get("connections", {}).items():
+        lines.append(f"  {count / secs / n:6.3f} connections {what}/s per host")
     return "\n".join(lines)
 
 
