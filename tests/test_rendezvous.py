@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import multiaddr
 import trio
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
@@ -221,3 +222,42 @@ async def test_an_idle_dht_stream_is_reset_and_frees_its_slot(tmp_path, monkeypa
                 except Exception:
                     continue  # reset by the server
                 raise AssertionError("an idle DHT stream was served past its bound")
+
+
+async def test_the_trainer_is_found_while_dials_to_samplers_hang(monkeypatch, autojump_clock):
+    """The mesh's dials (24 samplers, 10 s each) ran before the next look for the trainer in one loop; the trainer
+    is now looked for in a task of its own."""
+    samplers = [PeerInfo(ID(bytes([9, i]) * 17), []) for i in range(24)]
+    trainer_addr = multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/4001")
+    trainer_looks = []
+
+    async def providers_from_peer(dht, peer, cid):
+        if cid == discovery.dht_key(discovery.role_key("s", "trainer")):
+            trainer_looks.append(trio.current_time())
+            return [PeerInfo(TRAINER, [trainer_addr])] if len(trainer_looks) > 1 else []  # not there yet at first
+        return samplers
+
+    class Network:
+        def register_notifee(self, notifee):
+            pass
+
+    class DialingHost(FakeHost):
+        def get_network(self):
+            return Network()
+
+    @dataclass
+    class Node(FakeNode):
+        async def connect(self, info: PeerInfo, timeout: float = 10.0) -> None:
+            if info.peer_id != TRAINER:
+                await trio.sleep_forever()  # a sampler that never answers
+            self.host.connected.append(TRAINER)
+
+    monkeypatch.setattr(discovery, "providers_from_peer", providers_from_peer)
+    n = Node(DialingHost([BOOT]), FakeDht(), frozenset({BOOT}))
+    d = discovery.SamplerDiscovery("s", TRAINER, 2.0)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(d.run, n)
+        with trio.fail_after(5.0):  # the dials hang forever
+            await d.trainer_found.wait()
+        nursery.cancel_scope.cancel()
+    assert d.trainer_found_by["dht"] == 1 and d.trainer_addrs == [trainer_addr] and len(trainer_looks) == 2
