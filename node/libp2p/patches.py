@@ -137,9 +137,9 @@ from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH
 from libp2p.stream_muxer.yamux import yamux as _yamux
 from libp2p.transport.tcp.tcp import TCP
 
-from node.libp2p import providers as _providers
 from node.libp2p.conns import _handle_inbound_connection
 from node.libp2p.nat import is_relayed_addr
+from node.libp2p.providers import add_provider, get_providers
 from node.libp2p.version import check_version
 
 log = logging.getLogger(__name__)
@@ -500,7 +500,7 @@ PATCHES: tuple[Patch, ...] = (
         "libp2p.kad_dht.provider_store.ProviderStore.add_provider",
         "node/libp2p/providers.py add_provider (make_room decides)",
         _T + "test_stock_provider_store_keeps_the_first_twenty_providers_only",
-        (ProviderStore, "add_provider", _providers.add_provider),
+        (ProviderStore, "add_provider", add_provider),
     ),
     Patch(
         "dht-twenty-providers",
@@ -508,7 +508,7 @@ PATCHES: tuple[Patch, ...] = (
         "libp2p.kad_dht.provider_store.ProviderStore.get_providers",
         "node/libp2p/providers.py get_providers (answer_sample decides)",
         _T + "test_stock_provider_store_keeps_the_first_twenty_providers_only",
-        (ProviderStore, "get_providers", _providers.get_providers),
+        (ProviderStore, "get_providers", get_providers),
     ),
     Patch(
         "dial-one-address",
