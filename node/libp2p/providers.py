@@ -62,13 +62,14 @@ def add_provider(self: Any, key: bytes, provider: PeerInfo) -> None:
         return
     records: dict[str, ProviderRecord] = self.providers.setdefault(key, {})
     name = str(provider.peer_id)
-    connected = {str(p) for p in self.host.get_connected_peers()}
-    held = {peer: record.timestamp for peer, record in records.items()}
-    store, replaced = make_room(held, connected, name, PROVIDERS_PER_KEY)
-    if not store:
-        return
-    if replaced is not None:
-        del records[replaced]
+    if name not in records and len(records) >= PROVIDERS_PER_KEY:  # full: whom to replace (O(records), rare)
+        connected = {str(p) for p in self.host.get_connected_peers()}
+        held = {peer: record.timestamp for peer, record in records.items()}
+        store, replaced = make_room(held, connected, name, PROVIDERS_PER_KEY)
+        if not store:
+            return
+        if replaced is not None:
+            del records[replaced]
     records[name] = ProviderRecord(provider_info=provider, timestamp=time.time())
     self._save()
 
