@@ -22,7 +22,7 @@ import base64
 import hashlib
 import logging
 import os
-from collections.abc import Collection, Hashable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol, TypeVar
 
@@ -129,6 +129,7 @@ def spread_point(peer_id: ID, cid: str) -> float:
 
 TRUSTED_ASKED = 2  # trusted peers (bootstrap nodes, the trainer) a node gives its records to and asks for others'
 TRUSTED_TIMEOUT = 10.0  # seconds a trusted peer has to answer a lookup or take a record
+R = TypeVar("R")
 
 
 async def provide_forever(swarm: DhtNode, key: str, interval: float) -> None:
@@ -157,47 +158,40 @@ def _trusted_connected(swarm: DhtNode) -> list[ID]:
     return [p for p in swarm.trusted if p in connected and p != swarm.peer_id][:TRUSTED_ASKED]
 
 
-async def _provide_to_trusted(swarm: DhtNode, cid: str) -> int:
-    """Give the record to the trusted peers connected, all at once; how many took it."""
-    took = 0
+async def _at_trusted(swarm: DhtNode, what: str, call: Callable[[ID], Awaitable[R]]) -> tuple[int, list[R]]:
+    """``call`` each trusted peer connected (``_trusted_connected``), all at once, each within ``TRUSTED_TIMEOUT``:
+    how many were called, and the results of those that answered in time."""
+    called = _trusted_connected(swarm)
+    results: list[R] = []
 
-    async def give(peer: ID) -> None:
-        nonlocal took
+    async def one(peer: ID) -> None:
         with trio.move_on_after(TRUSTED_TIMEOUT):
             try:
-                took += bool(await provide_to_peer(swarm.dht, peer, cid))
+                results.append(await call(peer))
             except Exception as exc:
-                log.debug("provide %s to %s: %s", cid, peer, exc)
+                log.debug("%s at %s: %s", what, peer, exc)
 
     async with trio.open_nursery() as nursery:
-        for peer in _trusted_connected(swarm):
-            nursery.start_soon(give, peer)
-    return took
+        for peer in called:
+            nursery.start_soon(one, peer)
+    return len(called), results
+
+
+async def _provide_to_trusted(swarm: DhtNode, cid: str) -> int:
+    """Give the record to the trusted peers connected; how many took it."""
+    _, took = await _at_trusted(swarm, f"provide {cid}", lambda peer: provide_to_peer(swarm.dht, peer, cid))
+    return sum(map(bool, took))
 
 
 async def _ask_trusted(swarm: DhtNode, cid: str) -> tuple[list[PeerInfo], int, int]:
     """Providers as the connected bootstrap peers / trainer know them (every node gives them its records:
-    ``provide_forever``), asked all at once; with how many were asked and how many answered in time.
-    py-libp2p's find_providers answers from the local store alone once it holds any record, and a node behind a
-    NAT receives records only from the peers it is connected to: without this, NATed peers never learn of each
-    other (node/reachability.py)."""
-    out: list[PeerInfo] = []
-    answered = 0
-
-    async def ask(peer: ID) -> None:
-        nonlocal answered
-        with trio.move_on_after(TRUSTED_TIMEOUT):
-            try:
-                out.extend(await providers_from_peer(swarm.dht, peer, cid))
-                answered += 1
-            except Exception as exc:
-                log.debug("providers of %s from %s: %s", cid, peer, exc)
-
-    asked = _trusted_connected(swarm)
-    async with trio.open_nursery() as nursery:
-        for peer in asked:
-            nursery.start_soon(ask, peer)
-    return out, len(asked), answered
+    ``provide_forever``); with how many were asked and how many answered in time. py-libp2p's find_providers
+    answers from the local store alone once it holds any record, and a node behind a NAT receives records only
+    from the peers it is connected to: without this, NATed peers never learn of each other (node/reachability.py)."""
+    asked, answers = await _at_trusted(
+        swarm, f"providers of {cid}", lambda peer: providers_from_peer(swarm.dht, peer, cid)
+    )
+    return [info for answer in answers for info in answer], asked, len(answers)
 
 
 def walk_after_trusted(asked: int, answered: int, found: bool) -> bool:
