@@ -1,10 +1,11 @@
 """bench/transport: bulk throughput and CPU per byte of the product's chunk transfer (TCP + Noise + yamux, the
 weights protocol: 4 MiB requests, several in flight), between two processes on loopback.
 
-Two configurations in the same run, each twice: yamux frames of 65,536 bytes (py-libp2p's default, which Noise must
-split into two messages) and frames that fit one Noise message (node/libp2p/patches.py). For each: MB/s, and MB
-per CPU-second of the sender and of the receiver (the cost that bounds a 2-core node: on a machine with more
-cores than processes, that is also the throughput one core sustains).
+Three configurations in the same run, each twice: py-libp2p's own yamux (frames of 65,536 bytes, which Noise must
+split into two messages; the receive window credited after every read), frames that fit one Noise message, and
+those frames with the window credited once half of it is owed, as go-yamux does (both node/libp2p/patches.py: the
+product runs the last). For each: MB/s, and MB per CPU-second of the sender and of the receiver (the cost that
+bounds a 2-core node: on a machine with more cores than processes, that is also the throughput one core sustains).
 
     .venv/bin/python bench/transport.py [--mb 256] [--workers 4]
 """
@@ -30,17 +31,24 @@ def cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def configure(noise_fit: bool) -> None:
+STOCK, FITTED, PATCHED = "py-libp2p yamux", "Noise-sized frames", "Noise-sized frames + half-window credit (patched)"
+CONFIGS = (STOCK, FITTED, PATCHED)
+
+
+def configure(config: str) -> None:
     from libp2p.stream_muxer.yamux import yamux
 
     from node.libp2p import patches as libp2p_patches
 
     libp2p_patches.apply()
-    if not noise_fit:
+    if config == STOCK:
         yamux.MAX_MESSAGE_SIZE = 64 * 1024  # py-libp2p's own frame size
+    if config in (STOCK, FITTED):  # py-libp2p's own credit, after every read
+        original = libp2p_patches._state["originals"]["YamuxStream._auto_tune_and_send_window_update"]
+        yamux.YamuxStream._auto_tune_and_send_window_update = original
 
 
-def serve(root: str, noise_fit: bool, ready, done, cpu_out) -> None:
+def serve(root: str, config: str, ready, done, cpu_out) -> None:
     async def main() -> None:
         import multiaddr
         from libp2p.crypto.ed25519 import create_new_key_pair
@@ -49,7 +57,7 @@ def serve(root: str, noise_fit: bool, ready, done, cpu_out) -> None:
         from node.weights.server import WeightServer
         from node.weights.store import ChunkStore
 
-        configure(noise_fit)
+        configure(config)
         store = ChunkStore(Path(root) / "store")
         async with open_swarm(create_new_key_pair(), multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")) as swarm:
             WeightServer(store, upload_per_peer=1e12).register(swarm.host)
@@ -63,7 +71,7 @@ def serve(root: str, noise_fit: bool, ready, done, cpu_out) -> None:
     trio.run(main)
 
 
-async def fetch(addr: str, hashes: list[bytes], workers: int, noise_fit: bool) -> tuple[float, float]:
+async def fetch(addr: str, hashes: list[bytes], workers: int, config: str) -> tuple[float, float]:
     import multiaddr
     from libp2p.crypto.ed25519 import create_new_key_pair
     from libp2p.peer.peerinfo import info_from_p2p_addr
@@ -72,7 +80,7 @@ async def fetch(addr: str, hashes: list[bytes], workers: int, noise_fit: bool) -
     from node.rpc import request
     from protocols import weights as w
 
-    configure(noise_fit)
+    configure(config)
     async with open_swarm(create_new_key_pair(), multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")) as swarm:
         target = info_from_p2p_addr(multiaddr.Multiaddr(addr))
         await swarm.connect(target)
@@ -104,15 +112,15 @@ async def fetch(addr: str, hashes: list[bytes], workers: int, noise_fit: bool) -
         return elapsed, cpu
 
 
-def one_run(root: Path, hashes: list[bytes], workers: int, noise_fit: bool) -> dict:
+def one_run(root: Path, hashes: list[bytes], workers: int, config: str) -> dict:
     ctx = mp.get_context("spawn")
     ready_r, ready_w = ctx.Pipe(False)
     done_r, done_w = ctx.Pipe(False)
     cpu_r, cpu_w = ctx.Pipe(False)
-    proc = ctx.Process(target=serve, args=(str(root), noise_fit, ready_w, done_r, cpu_w))
+    proc = ctx.Process(target=serve, args=(str(root), config, ready_w, done_r, cpu_w))
     proc.start()
     addr = ready_r.recv()
-    elapsed, recv_cpu = trio.run(fetch, addr, hashes, workers, noise_fit)
+    elapsed, recv_cpu = trio.run(fetch, addr, hashes, workers, config)
     done_w.send(True)
     send_cpu = cpu_r.recv()
     proc.join(30)
@@ -136,10 +144,10 @@ def main() -> None:
             h = digest(data)
             store.put_hashed(h, data)
             hashes.append(h)
-        rows: dict[str, list[dict]] = {"64 KiB frames (py-libp2p)": [], "Noise-sized frames (patched)": []}
+        rows: dict[str, list[dict]] = {name: [] for name in CONFIGS}
         for _ in range(2):
-            for name, fit in (("64 KiB frames (py-libp2p)", False), ("Noise-sized frames (patched)", True)):
-                rows[name].append(one_run(Path(tmp), hashes, args.workers, fit))
+            for name in CONFIGS:
+                rows[name].append(one_run(Path(tmp), hashes, args.workers, name))
                 print(name, {k: round(v, 1) for k, v in rows[name][-1].items()}, flush=True)
     lines = [
         f"bench/transport ({time.strftime('%Y-%m-%d')}, 2 processes on loopback, {args.mb} MiB in 4 MiB requests, "
@@ -153,12 +161,14 @@ def main() -> None:
             f"{name}: {m['mb_s']:.0f} MB/s; sender {m['send_mb_per_cpu_s']:.0f} MB per CPU-s, "
             f"receiver {m['recv_mb_per_cpu_s']:.0f} MB per CPU-s"
         )
-    base, fit = means["64 KiB frames (py-libp2p)"], means["Noise-sized frames (patched)"]
-    lines.append(
-        f"patched / py-libp2p: throughput {fit['mb_s'] / base['mb_s']:.2f}, receiver CPU per byte "
-        f"{base['recv_mb_per_cpu_s'] / fit['recv_mb_per_cpu_s']:.2f}, sender CPU per byte "
-        f"{base['send_mb_per_cpu_s'] / fit['send_mb_per_cpu_s']:.2f}"
-    )
+    base = means[STOCK]
+    for name in (FITTED, PATCHED):
+        m = means[name]
+        lines.append(
+            f"{name} / py-libp2p: throughput {m['mb_s'] / base['mb_s']:.2f}, receiver CPU per byte "
+            f"{base['recv_mb_per_cpu_s'] / m['recv_mb_per_cpu_s']:.2f}, sender CPU per byte "
+            f"{base['send_mb_per_cpu_s'] / m['send_mb_per_cpu_s']:.2f}"
+        )
     print("\n".join(lines))
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "transport.txt").write_text("\n".join(lines) + "\n")

@@ -305,6 +305,58 @@ def test_stock_yamux_frame_does_not_fit_one_noise_message():
     assert yamux_module.MAX_MESSAGE_SIZE == MAX_PLAINTEXT_LENGTH
 
 
+# -- 8. window credit ----------------------------------------------------------------------------------------------
+async def credits_for_one_transfer(read_size: int, nbytes: int = 4 << 20) -> tuple[int, int]:
+    """One stream carrying ``nbytes``, read ``read_size`` bytes at a time: (bytes received, window updates sent)."""
+    received, updates = 0, 0
+    done = trio.Event()
+    send_window_update = yamux_module.YamuxStream.send_window_update
+
+    async def counting(self, increment: int, skip_lock: bool = False) -> None:
+        nonlocal updates
+        updates += increment > 0
+        await send_window_update(self, increment, skip_lock)
+
+    async def sink(stream) -> None:
+        nonlocal received
+        try:
+            while received < nbytes:
+                received += len(await stream.read(read_size))
+        finally:
+            done.set()
+
+    a, b = build_host(create_new_key_pair()), build_host(create_new_key_pair())
+    with trio.fail_after(60):
+        async with a.run([LISTEN]), b.run([LISTEN]):
+            b.set_stream_handler(PUSH, sink)
+            await a.connect(info(b))
+            yamux_module.YamuxStream.send_window_update = counting  # type: ignore[method-assign]
+            try:
+                stream = await a.new_stream(b.get_id(), [PUSH])
+                blob = bytes(1 << 16)
+                for _ in range(nbytes // len(blob)):
+                    await stream.write(blob)
+                await done.wait()
+            finally:
+                yamux_module.YamuxStream.send_window_update = send_window_update  # type: ignore[method-assign]
+    return received, updates
+
+
+async def test_stock_yamux_sends_a_window_update_per_read():
+    """4 MiB read 16 KiB at a time: stock py-libp2p credits the sender after (nearly) every read, 256 reads; the
+    patch, go-yamux's rule, once half the window is owed: a few dozen, and every byte still arrives."""
+    with libp2p_patches.disabled():
+        received, stock = await credits_for_one_transfer(16 << 10)
+    assert received == 4 << 20
+    assert stock >= 200, stock
+    libp2p_patches.apply()
+    received, ours = await credits_for_one_transfer(16 << 10)
+    assert received == 4 << 20
+    assert ours <= 40, ours
+    received, _ = await credits_for_one_transfer(1 << 10, nbytes=1 << 20)  # reads far smaller than a frame
+    assert received == 1 << 20
+
+
 # -- 5. TCP and circuit addresses -----------------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""Every py-libp2p 0.8.1 fix, in one table (``PATCHES``), and the seven applied in place by ``apply()``.
+"""Every py-libp2p 0.8.1 fix, in one table (``PATCHES``), and the eight applied in place by ``apply()``.
 
 ``PATCHES`` names each fix: the upstream bug (``upstream``), the library code it replaces or overrides
 (``target``), ours (``ours``), the test that reproduces the bug on stock code (``test``) and the report ready to
@@ -111,6 +111,13 @@ connection when the slots run out) before taking a slot; upstream's behaviour wh
 the first 20 records live (48 h), and ``get_providers`` answers every lookup with all of them: every node learned
 the same 20 samplers of a role every sampler provides. Replaced by node/libp2p/providers.py (its docstring says
 how): many records per key, the oldest idle one replaced when full, each lookup answered with a sample.
+
+8. a window update for every data frame (issue 27, CPU per byte)
+-----------------------------------------------------------------
+``YamuxStream._auto_tune_and_send_window_update`` (stream_muxer/yamux/yamux.py l. 410-458), run after every read,
+credits the sender whenever any window is owed, not once half the window is (go-yamux): a reader taking a frame at a
+time answers each data frame with a window update, a Noise message each way. Replaced by node/libp2p/credit.py
+(its docstring says how; the auto-tuning of the window is upstream's).
 """
 
 from __future__ import annotations
@@ -138,6 +145,7 @@ from libp2p.stream_muxer.yamux import yamux as _yamux
 from libp2p.transport.tcp.tcp import TCP
 
 from node.libp2p.conns import _handle_inbound_connection
+from node.libp2p.credit import credit_at_half_window
 from node.libp2p.nat import is_relayed_addr
 from node.libp2p.providers import add_provider, get_providers
 from node.libp2p.version import check_version
@@ -429,6 +437,14 @@ PATCHES: tuple[Patch, ...] = (
         "node/libp2p/patches.py NOISE_FIT_FRAME",
         _T + "test_stock_yamux_frame_does_not_fit_one_noise_message",
         (_yamux, "MAX_MESSAGE_SIZE", NOISE_FIT_FRAME),
+    ),
+    Patch(
+        "yamux-credit-every-read",
+        "yamux credits the sender's window after every read, not at half the window: a window update per data frame",
+        "libp2p.stream_muxer.yamux.yamux.YamuxStream._auto_tune_and_send_window_update",
+        "node/libp2p/credit.py credit_at_half_window",
+        _T + "test_stock_yamux_sends_a_window_update_per_read",
+        (_yamux.YamuxStream, "_auto_tune_and_send_window_update", credit_at_half_window),
     ),
     Patch(
         "inbound-no-admission",
