@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 
-from node.weights.outbox import Cadence, Outbox, cadence, final_due
+from node.weights.outbox import MANIFESTS_OUT_WAIT, Cadence, Outbox, cadence, final_due
 from protocols.weights import parse_announce
 
 
@@ -167,3 +168,39 @@ async def test_send_then_announce_again_ever_more_rarely(autojump_clock):
         nursery.cancel_scope.cancel()
     assert gossip.heard == [(6.0, 0), (8.0, 0), (12.0, 0), (20.0, 0), (23.5, 1), (25.5, 1)]
     assert published == [0, 1] and publisher.store.gc_calls == []  # keep=None: no gc (bench/wan_node's origin)
+
+
+class FakePusher:
+    """Writes the manifests to its peers ``out_after`` seconds into a push (None: never), then the rest."""
+
+    def __init__(self, out_after: float | None, lasts: float) -> None:
+        self.out_after, self.lasts = out_after, lasts
+        self.manifests_out_at: float | None = None
+
+    def audience(self) -> int:
+        return 3
+
+    async def push(self, mid: bytes, signed: Any, manifest: Any, manifests_out: trio.Event | None = None) -> int:
+        started = trio.current_time()
+        if self.out_after is not None:
+            await trio.sleep(self.out_after)
+            self.manifests_out_at = trio.current_time()
+            assert manifests_out is not None
+            manifests_out.set()
+        await trio.sleep(max(0.0, started + self.lasts - trio.current_time()))
+        return 1
+
+
+@pytest.mark.parametrize(("out_after", "announced_at"), [(0.3, 1.3), (None, 1.0 + MANIFESTS_OUT_WAIT)])
+async def test_a_pushed_version_is_announced_once_its_manifests_are_out(autojump_clock, out_after, announced_at):
+    """Announced after the pushed manifests are written (a peer pushed to then holds the manifest the announcement
+    names, and does not fetch it again), or after ``MANIFESTS_OUT_WAIT`` when a lane cannot write its manifest; the
+    push goes on after the announcement either way."""
+    publisher, gossip = FakePublisher(1.0), FakeGossip()
+    outbox, _ = outbox_for(publisher, gossip, keep=None)
+    pusher = FakePusher(out_after, lasts=5.0)
+    outbox.pusher = pusher
+    publisher.chunk_size = 1 << 20  # type: ignore[attr-defined]  # pieces are cut by it when pushing
+    await outbox.send(1)  # published at 1.0 s; no announce_forever running: send waits for the push
+    assert gossip.heard == [(announced_at, 1)]
+    assert trio.current_time() == pytest.approx(6.0)  # the push's 5 s

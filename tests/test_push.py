@@ -95,10 +95,49 @@ def test_a_chunk_a_push_is_bringing_is_not_requested_until_its_wait_is_over():
                          expected={0: 10.0})  # fmt: skip
     assert policy.pick("p", board, layout, now=5.0, room=1 << 30) == [1]
     assert sorted(policy.pick("p", board, layout, now=10.5, room=1 << 30)) == [0, 1]
-    # a grace plus two hops of one peer's share at the minimum rate
-    assert policy.push_wait(6 * 256 * KIB, 6, 256 * KIB) == pytest.approx(policy.PUSH_GRACE + 2.0)
-    # with 5 copies the origin's lane to this node carries 5 shares: one hop, but a longer one
+    # from the origin itself: a grace plus its lane to this node, one share at the minimum rate
+    assert policy.push_wait(6 * 256 * KIB, 6, 256 * KIB) == pytest.approx(policy.PUSH_GRACE + 1.0)
+    # with 5 copies the origin's lane to this node carries 5 shares
     assert policy.push_wait(6 * 256 * KIB, 6, 256 * KIB, copies=5) == pytest.approx(policy.PUSH_GRACE + 5.0)
+    # relayed: two hops of one share (the first holder's own share comes first on its lane), whatever the copies
+    # (a relayed piece waited as long as the origin's 5-share lane before, 10.5 s in the 1.5B WAN replay)
+    assert policy.push_wait(6 * 256 * KIB, 6, 256 * KIB, copies=5, relayed=True) == pytest.approx(
+        policy.PUSH_GRACE + 2.0
+    )
+
+
+def test_a_download_polls_no_one_while_a_push_brings_all_it_misses():
+    expected = {0: 10.0, 1: 12.0}
+    assert policy.push_pending({0, 1}, expected, now=4.0) == pytest.approx(6.0)  # the first falls due at 10
+    assert policy.push_pending({1}, expected, now=4.0) == pytest.approx(8.0)
+    assert policy.push_pending({0, 1, 2}, expected, now=4.0) is None  # chunk 2 is no push's: poll and ask
+    assert policy.push_pending({0, 1}, expected, now=10.0) is None  # chunk 0 is late: poll and ask
+    assert policy.push_pending(set(), expected, now=4.0) is None
+
+
+def test_a_piece_is_expected_from_the_origin_or_a_directly_connected_relayer_only():
+    assert policy.push_source("me", "a", direct={"me", "a"}, reachable=set()) == "origin"
+    assert policy.push_source("me", "a", direct={"a"}, reachable={"a", "b"}) == "relay"
+    # its first holder is not directly connected here (relays go over direct connections only): nothing is coming
+    assert policy.push_source("me", "a", direct={"a"}, reachable={"b"}) is None
+
+
+def test_a_lane_sends_its_own_share_a_piece_a_message_and_the_rest_in_batches():
+    sizes = {bytes([i]) * 32: 100 for i in range(10)}
+    own, others = [bytes([0]) * 32, bytes([1]) * 32], [bytes([i]) * 32 for i in range(2, 10)]
+    assert policy.lane_messages(own, others, sizes, batch_bytes=300) == [
+        [own[0]],
+        [own[1]],
+        others[0:3],
+        others[3:6],
+        others[6:8],
+    ]
+    assert policy.lane_messages(own, [], sizes) == [[own[0]], [own[1]]]
+    # a chunk bigger than the batch still goes, alone; a batch never holds more than MAX_PUSH_CHUNKS
+    assert policy.lane_messages([], others[:2], sizes, batch_bytes=50) == [[others[0]], [others[1]]]
+    many = [i.to_bytes(32, "big") for i in range(w.MAX_PUSH_CHUNKS + 1)]
+    batches = policy.lane_messages([], many, dict.fromkeys(many, 1), batch_bytes=1 << 30)
+    assert [len(b) for b in batches] == [w.MAX_PUSH_CHUNKS, 1]
 
 
 # -- the wire ----------------------------------------------------------------------------------------------------

@@ -263,11 +263,19 @@ class Download:
 
     async def _poll_haves(self, nursery: trio.Nursery) -> None:
         """Ask the neighbours what they hold, every ``have_interval`` (sooner when a worker has run out of chunks it
-        knows where to get), but not those known to hold everything nor those a chunk reply told us about lately."""
+        knows where to get), but not those known to hold everything nor those a chunk reply told us about lately,
+        and no one while a planned push brings every chunk still missing (``policy.push_pending``)."""
         interval = self.settings.have_interval
         total = len(self.layout.chunks)
+        index = self.layout.index
         while True:
             now = trio.current_time()
+            expected = {index[h]: t for h, t in self.expected.items() if h in index}
+            pending = policy.push_pending(self.missing, expected, now)
+            if pending is not None:  # a push brings all that is missing: no polls (here and at the peers) till due
+                with trio.move_on_after(min(pending, interval)):
+                    await self._progress.wait()
+                continue
             stale = [
                 p
                 for p in self.neighbours()

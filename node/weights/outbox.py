@@ -6,9 +6,11 @@ The trainer names versions as it trains (``after_step``); one is in flight at a 
 (``cadence``, a pure rule). bench/wan_node.py sends its versions through the same object (``send``).
 
 Given a ``pusher`` (the origin's push: node/weights/server.py, OriginPush), each version is also pushed to the
-samplers as it is announced, and the versions are cut into pieces sized for that (``policy.piece_size``: from the
-last patch's size, the whole version's and how many samplers a push reaches; kept while within
-``policy.PIECE_HYSTERESIS``). While ``announce_forever`` runs, pushes run beside it and ``send`` does not wait for them.
+samplers, and the versions are cut into pieces sized for that (``policy.piece_size``: from the last patch's size,
+the whole version's and how many samplers a push reaches; kept while within ``policy.PIECE_HYSTERESIS``). The
+announcement goes out once the pushed manifests are written (a peer pushed to then holds the manifest the
+announcement names, and does not fetch it again). While ``announce_forever`` runs, pushes run beside it and ``send``
+does not wait for them.
 
 Other encodings (``extras``: node/weights/encodings.py): each version is also published, after the first encoding's
 announcement, in every other encoding ``wanted()`` names, from the same staged model dir (hard links), each by its
@@ -35,6 +37,10 @@ from protocols import weights as weights_proto
 from protocols.weights import Manifest, SignedManifest
 
 log = logging.getLogger(__name__)
+
+# seconds an announcement waits for the pushed manifests to be written out: a lane opens a stream (one round trip)
+# and writes the manifest first; a peer that does not take it within this is announced to anyway
+MANIFESTS_OUT_WAIT = 1.0
 
 
 @dataclass(frozen=True)
@@ -70,7 +76,9 @@ class Announcer(Protocol):
 class Pusher(Protocol):
     def audience(self) -> int: ...
 
-    async def push(self, mid: bytes, signed: SignedManifest, manifest: Manifest) -> int: ...
+    async def push(
+        self, mid: bytes, signed: SignedManifest, manifest: Manifest, manifests_out: trio.Event | None = None
+    ) -> int: ...
 
 
 @dataclass
@@ -168,14 +176,16 @@ class Outbox:
     async def _announce_and_push(
         self, pusher: Pusher | None, mid: bytes, signed: SignedManifest, manifest: Manifest
     ) -> None:
-        if pusher is not None and self._background is not None:
-            self._background.start_soon(self._push, pusher, mid, signed, manifest)
+        """Push (when there is a pusher), and announce once the pushed manifests are written out (at most
+        ``MANIFESTS_OUT_WAIT``): the announcement reaches the peers pushed to after the manifest it names."""
+        if pusher is None:
             await self.announce()
-        elif pusher is not None:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._push, pusher, mid, signed, manifest)
-                await self.announce()
-        else:
+            return
+        out = trio.Event()
+        async with trio.open_nursery() as nursery:
+            (self._background or nursery).start_soon(self._push, pusher, mid, signed, manifest, out)
+            with trio.move_on_after(MANIFESTS_OUT_WAIT):
+                await out.wait()
             await self.announce()
 
     async def _send_extra(self, encoding: str, x: Extra, version: int) -> None:
@@ -205,11 +215,15 @@ class Outbox:
         proposed = policy.piece_size(patch_bytes, pusher.audience(), stats.full_bytes, self.max_chunk)
         return policy.keep_piece_size(publisher.chunk_size, proposed)
 
-    async def _push(self, pusher: Pusher, mid: bytes, signed: SignedManifest, manifest: Manifest) -> None:
+    async def _push(
+        self, pusher: Pusher, mid: bytes, signed: SignedManifest, manifest: Manifest, out: trio.Event
+    ) -> None:
         try:
-            self.pushed += await pusher.push(mid, signed, manifest)
+            self.pushed += await pusher.push(mid, signed, manifest, out)
         except Exception as exc:  # a push only saves round trips: the version is announced and served anyway
             log.warning("pushing version %d failed: %s: %s", manifest.version, type(exc).__name__, exc)
+        finally:
+            out.set()
 
     async def announce(self) -> None:
         """Announce the newest version of each encoding (with its encoding named, where the publisher says it)."""

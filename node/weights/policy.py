@@ -41,15 +41,16 @@ first version). A new sampler has no lease before it holds weights (it asks for 
 fetches from the samplers that do, and the strangers' share is what still moves it when none of them can serve it.
 
 Small versions (``piece_size``, ``keep_piece_size``, ``push_pieces``, ``push_targets``, ``push_copies``,
-``push_source_ok``, ``push_wait``). A version is cut into pieces small enough that every sampler the origin pushes to
-gets a different first piece: ``PIECES_PER_PEER`` per peer, at least ``MIN_PIECE``, at most the configured chunk size,
-and never so small that a full version has more than ``MAX_FULL_PIECES``; the size changes only when the rule's answer
-moves ``PIECE_HYSTERESIS`` times away (a new size re-cuts the version's other files, which peers then fetch again).
-The origin pushes a version's new chunks of its update route (at most ``protocols.weights.MAX_PUSH_VERSION`` bytes) to
-the samplers it serves, one share each, and, when its uplink is known to be faster than theirs (``push_copies``), the
-next shares too, so each relayer sends its share to fewer peers; a receiver takes a pushed chunk only from the origin
-or from the peer the origin's plan names for it, and does not ask anyone for a chunk a push is bringing until
-``push_wait`` has passed.
+``lane_messages``, ``push_source_ok``, ``push_source``, ``push_wait``). A version is cut into pieces small enough that
+every sampler the origin pushes to gets a different first piece: ``PIECES_PER_PEER`` per peer, at least
+``MIN_PIECE``, at most the configured chunk size, and never so small that a full version has more than
+``MAX_FULL_PIECES``; the size changes only when the rule's answer moves ``PIECE_HYSTERESIS`` times away (a new size
+re-cuts the version's other files, which peers then fetch again). The origin pushes a version's new chunks of its
+update route (at most ``protocols.weights.MAX_PUSH_VERSION`` bytes) to the samplers it serves, one share each, and,
+when its uplink is known to be faster than theirs (``push_copies``), the next shares too, so each relayer sends its
+share to fewer peers; a receiver takes a pushed chunk only from the origin or from the peer the origin's plan names
+for it, and does not ask anyone for a chunk a push is bringing until ``push_wait`` has passed (a relayed piece whose
+first holder is not directly connected is not coming: it is asked for at once).
 
 Versions (``is_news``, ``take_announcement``, ``cancel_for_newer``, ``rebuild_now``). A version is worth chasing
 when it is newer than the one running and the one being fetched. An announcer whose announcements give nothing
@@ -93,6 +94,7 @@ PIECE_HYSTERESIS = 4  # the piece size changes only when the rule's answer is th
 PUSH_GRACE = 1.0  # seconds a pushed piece may be late before it is asked for, besides its transfer time
 REANNOUNCE_MOST = 60.0  # seconds: the trainer's re-announcements of one version slow down to one a minute
 RELAY_UPLINK = 20e6 / 8  # bytes/s: the slow home uplink a relaying sampler is assumed to have (20 Mbit/s)
+PUSH_BATCH_BYTES = 512 << 10  # pushed chunks a receiver does not relay, packed into one message up to this
 
 P = TypeVar("P", bound=Hashable)
 
@@ -226,6 +228,15 @@ def neighbours(current: Sequence[P], connected: Sequence[P], limit: int) -> list
 def due_for_poll(held: int, total: int, heard: float | None, now: float, interval: float) -> bool:
     """Ask a peer for its have-bitfield: unless it holds everything or we learned it less than ``interval`` ago."""
     return held < total and (heard is None or now - heard >= interval)
+
+
+def push_pending(missing: Collection[int], expected: Mapping[int, float], now: float) -> float | None:
+    """While every chunk a download misses is one a planned push is bringing and not yet due: the seconds until the
+    first of them falls due (nobody need be polled or asked before then); None otherwise."""
+    due = [expected.get(i) for i in missing]
+    if not due or any(t is None or t <= now for t in due):
+        return None
+    return min(t for t in due if t is not None) - now
 
 
 # -- pacing ----------------------------------------------------------------------------------------------------
@@ -365,6 +376,28 @@ def push_pieces(route: Sequence[bytes], old: Collection[bytes], sizes: Mapping[b
     return new
 
 
+def lane_messages(
+    own: Sequence[bytes], others: Sequence[bytes], sizes: Mapping[bytes, int], batch_bytes: int = PUSH_BATCH_BYTES
+) -> list[list[bytes]]:
+    """The chunks of one push lane's messages, in order: the receiver's own share (it relays each piece it holds
+    first, so each goes alone, the first relay starting after one piece), then the other shares it gets from the
+    origin directly (``copies`` > 1), packed up to ``batch_bytes`` a message (at most ``MAX_PUSH_CHUNKS``): each
+    message costs a reply, a handler run and a read of that reply at the origin, not only its bytes."""
+    out: list[list[bytes]] = [[h] for h in own]
+    batch: list[bytes] = []
+    size = 0
+    for h in others:
+        n = sizes.get(h, 0)
+        if batch and (size + n > batch_bytes or len(batch) == w.MAX_PUSH_CHUNKS):
+            out.append(batch)
+            batch, size = [], 0
+        batch.append(h)
+        size += n
+    if batch:
+        out.append(batch)
+    return out
+
+
 def push_targets(capable: Sequence[P], trusted: Collection[P], limit: int = w.MAX_PUSH_PEERS) -> list[P]:
     """Whom the origin pushes to: the peers that speak the push protocol and that it serves from their own share
     (``origin_serves_freely``: a lease or a record, or everyone while none has), at most ``limit``."""
@@ -386,10 +419,20 @@ def push_copies(peers: int, origin_uplink: float, relay_uplink: float = RELAY_UP
     return max(1, min(peers, round(peers * origin_uplink / (origin_uplink + peers * relay_uplink))))
 
 
-def push_wait(plan_bytes: int, peers: int, min_rate: float, copies: int = 1) -> float:
-    """Seconds to wait for a planned push before asking for its chunks: a grace, and two hops of one peer's share
-    at ``min_rate`` (or the origin's lane to this node, ``copies`` shares, if that is longer)."""
-    return PUSH_GRACE + max(2, copies) * plan_bytes / max(1, peers) / min_rate
+def push_wait(plan_bytes: int, peers: int, min_rate: float, copies: int = 1, relayed: bool = False) -> float:
+    """Seconds to wait for a planned piece before asking anyone for it: a grace, and the shares that go before it at
+    ``min_rate``: from the origin itself, its lane to this node (``copies`` shares); relayed, two hops of one share
+    (the origin's lane to the piece's first holder, which carries that peer's own share first, then its relay)."""
+    return PUSH_GRACE + (2 if relayed else max(1, copies)) * plan_bytes / max(1, peers) / min_rate
+
+
+def push_source(me: P, first_holder: P, direct: Collection[P], reachable: Collection[P]) -> str | None:
+    """Where a planned piece comes from to ``me``: "origin" (the origin sends it here itself), "relay" (its first
+    holder relays it, over a direct connection), or None: its first holder is not directly connected here, relays
+    go over direct connections only, so nothing is coming and it is asked for at once."""
+    if me in direct:
+        return "origin"
+    return "relay" if first_holder in reachable else None
 
 
 # -- versions --------------------------------------------------------------------------------------------------

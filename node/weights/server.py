@@ -367,10 +367,15 @@ class OriginPush:
     def audience(self) -> int:
         return len(self.targets())
 
-    async def push(self, mid: bytes, signed: w.SignedManifest, manifest: w.Manifest) -> int:
+    async def push(
+        self, mid: bytes, signed: w.SignedManifest, manifest: w.Manifest, manifests_out: trio.Event | None = None
+    ) -> int:
         """Send the first copies of ``manifest``'s new chunks to the peers this origin serves, one share each, with the
         plan of who got what (each relays its share to the others as it arrives); with ``copies`` c > 1 each peer also
-        gets the c - 1 shares after its own from here, and their relayers skip it. Returns the chunks taken."""
+        gets the c - 1 shares after its own from here, and their relayers skip it. Returns the chunks taken.
+        ``manifests_out`` is set once every lane has written the manifest (or ended): announce after it, and a peer
+        pushed to holds the manifest when the announcement comes, instead of fetching it a second time."""
+        out = manifests_out if manifests_out is not None else trio.Event()
         store = self.server.store
         route = manifest.patch_chunks() if manifest.patch is not None else manifest.full_chunks()
         old = {h for other, m in store.manifests() if other != mid for h in m.all_chunks()}
@@ -378,19 +383,33 @@ class OriginPush:
         pieces = policy.push_pieces(route, old, sizes)
         targets = self.targets()
         if not pieces or not targets or self.server.host is None:
+            out.set()
             return 0
         index = {h: i for i, h in enumerate(manifest.all_chunks())}
         n, copies = len(targets), policy.push_copies(len(targets), self.uplink)
         plan = w.PushPlan([p.to_bytes() for p in targets], [index[h] for h in pieces], copies)
         deadline = push_deadline(copies * sum(sizes.get(h, 0) for h in pieces))  # every lane shares this uplink
-        took = 0
+        took, waiting = 0, set(range(n))
+
+        def manifest_out(k: int) -> None:
+            waiting.discard(k)
+            if not waiting:
+                out.set()
 
         async def lane(k: int, peer: ID) -> None:
             nonlocal took
-            with trio.move_on_after(deadline):
-                mine = [h for j in range(copies) for h in pieces[(k + j) % n :: n]]  # its own share first
-                messages = self._messages(mid, signed, plan, mine)
-                took += await push_lane(self.server.host, peer, messages, self.server.pushed)
+
+            def written(message: dict[str, Any]) -> None:
+                manifest_out(k)
+                self.server.pushed(message)
+
+            try:
+                with trio.move_on_after(deadline):
+                    others = [h for j in range(1, copies) for h in pieces[(k + j) % n :: n]]
+                    messages = self._messages(mid, signed, plan, policy.lane_messages(pieces[k::n], others, sizes))
+                    took += await push_lane(self.server.host, peer, messages, written)
+            finally:
+                manifest_out(k)
 
         async with trio.open_nursery() as nursery:
             for k, peer in enumerate(targets):
@@ -398,12 +417,15 @@ class OriginPush:
         return took
 
     async def _messages(
-        self, mid: bytes, signed: w.SignedManifest, plan: w.PushPlan, mine: Iterable[bytes]
+        self, mid: bytes, signed: w.SignedManifest, plan: w.PushPlan, batches: Iterable[list[bytes]]
     ) -> AsyncIterable[dict[str, Any]]:
         """The manifest and the plan first (small: every peer learns who relays what before any relay reaches it),
-        then this peer's share, a piece a message (the first relays start after the first piece, not the last)."""
+        then the chunks, a message per batch (``policy.lane_messages``: this peer's own share a piece a message, so
+        the first relays start after the first piece, not the last)."""
         yield w.push(mid, [], signed, plan)
-        for h in mine:
-            data = await trio.to_thread.run_sync(self.server.store.read, h)
-            if data is not None:
-                yield w.push(mid, [(h, data)])
+        store = self.server.store
+        for batch in batches:
+            read = await trio.to_thread.run_sync(lambda b=batch: [(h, store.read(h)) for h in b])
+            chunks = [(h, data) for h, data in read if data is not None]
+            if chunks:
+                yield w.push(mid, chunks)

@@ -186,6 +186,7 @@ class WeightSync:
         self._push: PushState | None = None  # the newest plan of a version being chased
         self.pushed_chunks = 0  # taken from pushes (the origin's, and relays)
         self.relayed_chunks = 0  # pushed on to the plan's other peers
+        self.relayed_bytes = 0
         self.refused_pushed = 0  # pushed chunks not taken: not expected from that peer, or not of the version
         # registered now, before the node connects, so that identify tells the origin this node takes pushes
         swarm.host.set_stream_handler(
@@ -375,20 +376,25 @@ class WeightSync:
             self.refused_pushed += len(push.chunks)
             return w.pushed_reply(0)  # a version no longer chased (or never planned): nothing to take
         sender, origin = remote.to_bytes(), self.trainer_id.to_bytes()
-        took = 0
+        accepted: list[tuple[bytes, bytes, int]] = []
         for h, data in push.chunks:
             i = state.index.get(h)
-            ok = i is not None and len(data) <= state.manifest.chunk_size
-            if not ok or not policy.push_source_ok(sender, origin, state.first.get(i)):
+            if i is None or len(data) > state.manifest.chunk_size:
                 self.refused_pushed += 1
+            elif not policy.push_source_ok(sender, origin, state.first.get(i)):
+                self.refused_pushed += 1
+            else:
+                accepted.append((h, data, i))
+        fresh = [(h, data) for h, data, _ in accepted if not self.store.has(h)]
+        # one thread hop for the message's chunks (each checked against its blake3 before it is stored)
+        stored = await trio.to_thread.run_sync(self._store_each, fresh) if fresh else {}
+        took = 0
+        for h, data, i in accepted:
+            if stored.get(h) is False:
+                self.strikes.strike(remote)
+                log.warning("peer %s pushed a corrupt chunk %s", remote, h.hex()[:12])
                 continue
-            if not self.store.has(h):
-                try:
-                    await trio.to_thread.run_sync(self.store.write, h, data)  # checks blake3 before storing
-                except BadChunk:
-                    self.strikes.strike(remote)
-                    log.warning("peer %s pushed a corrupt chunk %s", remote, h.hex()[:12])
-                    continue
+            if stored.get(h):
                 took += 1
                 self.pushed_chunks += 1
                 self._expecting.pop(h, None)
@@ -400,6 +406,17 @@ class WeightSync:
             if sender == origin and state.first.get(i) == self.swarm.peer_id.to_bytes():
                 self._relay(state, h, data, state.direct.get(i, frozenset()))
         return w.pushed_reply(took)
+
+    def _store_each(self, chunks: list[tuple[bytes, bytes]]) -> dict[bytes, bool]:
+        """Blocking: store each chunk whose blake3 matches; hash -> stored (False: it did not match)."""
+        out: dict[bytes, bool] = {}
+        for h, data in chunks:
+            try:
+                self.store.write(h, data)
+                out[h] = True
+            except BadChunk:
+                out[h] = out.get(h, False)  # a bad copy beside a good one of the same hash does not undo it
+        return out
 
     def _take_plan(self, mid: bytes, manifest: w.Manifest, plan: w.PushPlan) -> None:
         """The origin's plan for a version being chased: expect its chunks for a while, get ready to relay."""
@@ -428,11 +445,19 @@ class WeightSync:
             len(mine),
             sum(sizes.get(chunks[i], 0) for i in mine),
         )
-        plan_bytes = sum(sizes.get(chunks[i], 0) for i in first)
-        wait = policy.push_wait(plan_bytes, len(plan.peers), self.settings.min_rate, plan.copies)
-        until = trio.current_time() + wait
+        plan_bytes, n, rate = sum(sizes.get(chunks[i], 0) for i in first), len(plan.peers), self.settings.min_rate
+        now = trio.current_time()
+        until = {
+            "origin": now + policy.push_wait(plan_bytes, n, rate, plan.copies),
+            "relay": now + policy.push_wait(plan_bytes, n, rate, relayed=True),
+        }
+        host = self.swarm.host
+        reachable = {p.to_bytes() for p in host.get_connected_peers() if self.swarm.is_direct(p)}
         self._expecting.clear()  # (the dict itself is shared with the downloads)
-        self._expecting.update((chunks[i], until) for i in first if not self.store.has(chunks[i]))
+        for i, holder in first.items():
+            source = policy.push_source(me, holder, self._push.direct.get(i, frozenset()), reachable)
+            if source is not None and not self.store.has(chunks[i]):
+                self._expecting[chunks[i]] = until[source]
 
     def _relay(self, state: PushState, h: bytes, data: bytes, skip: frozenset[bytes] = frozenset()) -> None:
         """A chunk the origin gave this node first goes on to the plan's other peers at once (a lane each), but for
@@ -461,6 +486,7 @@ class WeightSync:
     async def _relay_lane(self, peer: ID, messages: trio.MemoryReceiveChannel, nbytes: int) -> None:
         def written(message: dict[str, Any]) -> None:
             self.relayed_chunks += len(message["chunks"])
+            self.relayed_bytes += sum(len(data) for _, data in message["chunks"])
 
         async with messages:
             with trio.move_on_after(push_deadline(nbytes)):
