@@ -50,6 +50,7 @@ import os
 import re
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -65,6 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.netlab.swarm import ACCESS, HOMES, PORT, REGIONS, status_of, wan_links
 from bench.netlab.topology import Lab, lab_unavailable, wait_for
+from bench.swarm_scale import proc_cpu
 from node.config import write_config_file
 from node.identity import load_or_create_key, peer_id_of
 from trainer.tiny_qwen2 import build_random_model
@@ -83,6 +85,7 @@ class Round:
     uploaded: int  # bytes the origin served during the round
     arrivals: list[float]  # seconds from publish to each sampler holding the version, sorted
     cpu_share: float  # of the whole machine, during the round
+    cpu_seconds: float = 0.0  # the node processes (/proc), from publication until the driver saw every sampler hold it
     phases: list[dict[str, float]] = field(default_factory=list)  # per sampler: heard, fetched, built, got (see below)
 
     @property
@@ -162,15 +165,17 @@ def run_lab(
             *(origin_args if role == "origin" else fetch_args),
         ]
 
+    procs: list[subprocess.Popen] = []
+
     def cpu_total() -> float:
-        return sum(status(root, n).get("cpu_seconds", 0.0) for n in ["origin", *names])
+        return sum(proc_cpu(p.pid) for p in procs)
 
     rounds: list[Round] = []
     with lab:
-        lab.popen("origin", argv("origin", "origin"), root / "origin.log")
+        procs.append(lab.popen("origin", argv("origin", "origin"), root / "origin.log"))
         wait_for(lambda: status(root, "origin").get("version") == 0, 300, what="the origin's first version")
         for name in names:
-            lab.popen(name, argv("fetch", name), root / f"{name}.log", nice=5)
+            procs.append(lab.popen(name, argv("fetch", name), root / f"{name}.log", nice=5))
         size = json.loads((root / "published.json").read_text())["0"]["bytes"]
         progress.console.print(
             f"{samplers} samplers in {len(REGIONS)} regions, origin uplink {origin_mbps:.0f} Mbit/s, access links "
@@ -195,6 +200,7 @@ def run_lab(
                 900,
                 what=f"version {version} ({mode})",
             )
+            delivery_cpu = cpu_total() - cpu0
             time.sleep(1.0)  # let the origin's status catch up with its upload counter
             cpu_share = (cpu_total() - cpu0) / ((time.time() - t0) * (os.cpu_count() or 1))
             published = json.loads((root / "published.json").read_text())[str(version)]
@@ -205,7 +211,9 @@ def run_lab(
                 st = status(root, n)
                 mine = {**st.get("phases", {}).get(str(version), {}), "got": st["got"][str(version)]}
                 phases.append({k: t - published["time"] for k, t in mine.items()})
-            rounds.append(Round(mode, version, published["update_bytes"], uploaded, arrivals, cpu_share, phases))
+            rounds.append(
+                Round(mode, version, published["update_bytes"], uploaded, arrivals, cpu_share, delivery_cpu, phases)
+            )
             progress.console.print(
                 f"version {version} ({mode}, {published['update_bytes'] / 1e6:.2f} MB): last sampler after "
                 f"{arrivals[-1]:.2f} s, median {statistics.median(arrivals):.2f} s"
@@ -345,7 +353,8 @@ def replay(args: argparse.Namespace) -> int:
         lines.append(
             f"    v{r.version}: {r.size / 1e6:.2f} MB, last sampler {r.t_all:.2f} s, median "
             f"{statistics.median(r.arrivals):.2f} s; ideal {ideal:.2f} s ({r.t_all / ideal:.2f}x), ideal + 3 RTT "
-            f"{ideal + 3 * rtt:.2f} s; origin upload {r.uploaded / r.size:.2f}x; CPU share {r.cpu_share:.0%}"
+            f"{ideal + 3 * rtt:.2f} s; origin upload {r.uploaded / r.size:.2f}x; CPU share {r.cpu_share:.0%}, "
+            f"{r.cpu_seconds / (args.samplers + 1):.2f} CPU-s per node"
         )
     if counted:
         within2 = sum(r.t_all <= 2.0 for r in counted)
@@ -355,7 +364,8 @@ def replay(args: argparse.Namespace) -> int:
             f"time to the last sampler: median {statistics.median(r.t_all for r in counted):.2f} s, worst "
             f"{max(r.t_all for r in counted):.2f} s; within 2 s: {within2}/{len(counted)}; within 1.5x ideal: "
             f"{within15}/{len(counted)}; within ideal + 3 RTT: {within3}/{len(counted)}; CPU share median "
-            f"{statistics.median(r.cpu_share for r in counted):.0%} (idle lab: {idle[0]:.0%})",
+            f"{statistics.median(r.cpu_share for r in counted):.0%} (idle lab: {idle[0]:.0%}); CPU-s per node and "
+            f"version median {statistics.median(r.cpu_seconds for r in counted) / (args.samplers + 1):.2f}",
             f"  median over samplers and versions: {phase_line(counted)}",
         ]
     for line in lines:
