@@ -328,3 +328,63 @@ async def test_a_hostile_relayer_is_struck_and_a_stranger_refused(tmp_path, tiny
         rebuilt = (sync.store.versions_dir / "v2" / "model.safetensors").read_bytes()
         assert rebuilt == (origin.publisher.links / "v2.safetensors").read_bytes()
         nursery.cancel_scope.cancel()
+
+
+async def test_a_relay_that_comes_before_its_plan_waits_for_it(tmp_path, tiny_model_dir):
+    """The origin's lane to a far peer can bring the plan after a near relayer already relays a piece of it; the
+    piece waits for the plan (``policy.PLAN_WAIT``) instead of being dropped (the relayer never sends it again, so it
+    was asked for only after the relay wait: the 4-5 s tails of the 1.5B WAN replay)."""
+    async with trio.open_nursery() as nursery, AsyncExitStack() as stack:
+        key = load_or_create_key(tmp_path / "origin.key")
+        swarm = await stack.enter_async_context(open_swarm(key, LOOPBACK))
+        origin = Origin(swarm, tmp_path, tiny_model_dir, key)
+        victim = await stack.enter_async_context(open_swarm(load_or_create_key(tmp_path / "v.key"), LOOPBACK))
+        relayer = await stack.enter_async_context(open_swarm(load_or_create_key(tmp_path / "r.key"), LOOPBACK))
+
+        async def accept(message, remote):
+            return w.pushed_reply(len(w.parse_push(message).chunks))
+
+        relayer.host.set_stream_handler(
+            w.PUSH_PROTOCOL_ID, serve("r", accept, w.MAX_PUSH_FRAME, w.MAX_PUSH_REPLY, max_containers=w.PUSH_CONTAINERS)
+        )
+
+        async def installed(version, path, changes):
+            pass
+
+        store = ChunkStore(tmp_path / "v")
+        WeightServer(store).register(victim.host)
+        sync = WeightSync(victim, store, victim.gossip, "t", swarm.peer_id, installed)
+        await relayer.connect(info_from_p2p_addr(swarm.addrs()[0]))
+        await relayer.connect(info_from_p2p_addr(victim.addrs()[0]))
+        await victim.connect(info_from_p2p_addr(swarm.addrs()[0]))
+        nursery.start_soon(sync.run)
+        await wait_until(lambda: len(OriginPush(origin.server).targets()) == 2, 20, what="identify")
+        for version in (0, 1):  # the victim holds a plan naming the relayer (it admits the relayer's pushes)
+            await origin.outbox.send(version)
+            await wait_until(lambda v=version: sync.current == v, 30, what=f"version {version}", state=sync.status)
+        # version 2, published but neither announced nor pushed yet
+        staging = origin.publisher.staging_dir(2)
+        origin.stage(2, staging)
+        mid, signed, m2 = origin.publisher.publish(staging, 2)
+        index = {h: i for i, h in enumerate(m2.all_chunks())}
+        new = [index[h] for h in dict.fromkeys(m2.patch_chunks()) if not sync.store.has(h)]
+        plan = w.PushPlan([relayer.peer_id.to_bytes(), victim.peer_id.to_bytes()], new)
+        piece = m2.all_chunks()[new[0]]  # its first holder is the relayer
+        took: list[int] = []
+
+        async def relay() -> None:
+            async def messages():
+                yield w.push(mid, [(piece, origin.store.read(piece))])
+
+            took.append(await push_lane(relayer.host, victim.peer_id, messages()))
+
+        nursery.start_soon(relay)
+        await wait_until(lambda: sync.early_relays == 1, 10, what="the relay, before the plan")
+
+        async def plan_message():
+            yield w.push(mid, [], signed, plan)
+
+        await push_lane(swarm.host, victim.peer_id, plan_message())
+        await wait_until(lambda: took != [], 10, what="the relay's reply")
+        assert took == [1] and sync.store.has(piece)
+        nursery.cancel_scope.cancel()

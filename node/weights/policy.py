@@ -95,6 +95,7 @@ PUSH_GRACE = 1.0  # seconds a pushed piece may be late before it is asked for, b
 REANNOUNCE_MOST = 60.0  # seconds: the trainer's re-announcements of one version slow down to one a minute
 RELAY_UPLINK = 20e6 / 8  # bytes/s: the slow home uplink a relaying sampler is assumed to have (20 Mbit/s)
 PUSH_BATCH_BYTES = 512 << 10  # pushed chunks a receiver does not relay, packed into one message up to this
+PLAN_WAIT = 2.0  # seconds a relayed piece that came before this node's plan of its version waits for that plan
 
 P = TypeVar("P", bound=Hashable)
 

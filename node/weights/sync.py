@@ -184,9 +184,11 @@ class WeightSync:
         self._nursery: trio.Nursery | None = None
         self._expecting: dict[bytes, float] = {}  # chunk -> until when (trio's clock) a push is bringing it
         self._push: PushState | None = None  # the newest plan of a version being chased
+        self._plan_taken = trio.Event()  # set (and replaced) each time a new plan is taken
         self.pushed_chunks = 0  # taken from pushes (the origin's, and relays)
         self.relayed_chunks = 0  # pushed on to the plan's other peers
         self.relayed_bytes = 0
+        self.early_relays = 0  # relay messages that came before this node's plan of their version
         self.refused_pushed = 0  # pushed chunks not taken: not expected from that peer, or not of the version
         # registered now, before the node connects, so that identify tells the origin this node takes pushes
         swarm.host.set_stream_handler(
@@ -222,7 +224,12 @@ class WeightSync:
             out["last_swap_seconds"] = round(self.last_swap_seconds, 3)
         out["routes"] = dict(self.routes)
         if self.pushed_chunks or self.relayed_chunks or self.refused_pushed:
-            out["push"] = {"took": self.pushed_chunks, "relayed": self.relayed_chunks, "refused": self.refused_pushed}
+            out["push"] = {
+                "took": self.pushed_chunks,
+                "relayed": self.relayed_chunks,
+                "refused": self.refused_pushed,
+                "early": self.early_relays,
+            }
         if self.bad_links:
             out["bad_links"] = self.bad_links
         if self.conduct.benches:
@@ -369,9 +376,16 @@ class WeightSync:
                     self._take_plan(push.mid, manifest, push.plan)
                 if policy.is_news(manifest.version, self.current, self._floor(manifest.encoding)):
                     self._adopt(push.manifest, manifest, push.mid)
-        state = self._push
         if not push.chunks:
             return w.pushed_reply(0)
+        if remote != self.trainer_id and (self._push is None or self._push.mid != push.mid):
+            # a relay may come before this node's own plan (the origin's lane here can be slower than to the
+            # relayer): wait a little for the plan rather than drop what the relayer will not send again
+            self.early_relays += 1
+            with trio.move_on_after(policy.PLAN_WAIT):
+                while self._push is None or self._push.mid != push.mid:
+                    await self._plan_taken.wait()
+        state = self._push
         if state is None or state.mid != push.mid or not self._chasing(state.manifest):
             self.refused_pushed += len(push.chunks)
             return w.pushed_reply(0)  # a version no longer chased (or never planned): nothing to take
@@ -445,6 +459,8 @@ class WeightSync:
             len(mine),
             sum(sizes.get(chunks[i], 0) for i in mine),
         )
+        self._plan_taken.set()
+        self._plan_taken = trio.Event()
         plan_bytes, n, rate = sum(sizes.get(chunks[i], 0) for i in first), len(plan.peers), self.settings.min_rate
         now = trio.current_time()
         until = {
