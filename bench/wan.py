@@ -383,7 +383,7 @@ def replay(args: argparse.Namespace) -> int:
 
 
 REPLAY_HEAD = re.compile(
-    r"^## .*bench/wan --replay: .*?, (\d+) samplers in .*?; "
+    r"^## (\d{4}-\d{2}-\d{2}) .*bench/wan --replay: .*?, (\d+) samplers in .*?; "
     r"(the origin knows its uplink|the origin pushes one copy of each piece); initial TCP window ~10 x 1448 B$"
 )
 REPLAY_TIME = re.compile(r"^time to the last sampler: median ([\d.]+) s, .*\(idle lab: (\d+)%\)")
@@ -391,29 +391,33 @@ REPLAY_TIME = re.compile(r"^time to the last sampler: median ([\d.]+) s, .*\(idl
 
 def summarize_replays(results: Path, png: Path, ideal: float, target: float) -> None:
     """Every --replay run in ``results`` (default windows, no --warm): the median time to the last sampler against
-    the number of samplers, copies or one copy, with the idle lab's CPU share beside each point."""
+    the number of samplers, copies or one copy, coloured by the day it ran (the product changed between days), with
+    the idle lab's CPU share beside each point."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs: list[tuple[int, bool, float, int]] = []  # (samplers, copies, median s, idle %)
+    runs: list[tuple[str, int, bool, float, int]] = []  # (day, samplers, copies, median s, idle %)
     head = None
     for line in results.read_text().splitlines():
         if m := REPLAY_HEAD.match(line):
-            head = (int(m.group(1)), m.group(2).endswith("uplink"))
+            head = (m.group(1), int(m.group(2)), m.group(3).endswith("uplink"))
         elif head is not None and (m := REPLAY_TIME.match(line)):
             runs.append((*head, float(m.group(1)), int(m.group(2))))
             head = None
     if not runs:
         return
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for copies, color, label in ((True, "tab:blue", "the origin knows its uplink"), (False, "tab:red", "one copy")):
-        mine = [r for r in runs if r[1] == copies]
-        ax.scatter([r[0] for r in mine], [r[2] for r in mine], color=color, label=label)
-        for n, _, t, idle in mine:
-            ax.annotate(f"idle {idle}%", (n, t), textcoords="offset points", xytext=(6, -3), fontsize=7)
-    ax.set_xlim(0, max(r[0] for r in runs) + 3)
+    for k, day in enumerate(sorted({r[0] for r in runs})):
+        for copies, marker, how in ((True, "o", "the origin knows its uplink"), (False, "x", "one copy")):
+            mine = [r for r in runs if r[0] == day and r[2] == copies]
+            if not mine:
+                continue
+            ax.scatter([r[1] for r in mine], [r[3] for r in mine], color=f"C{k}", marker=marker, label=f"{day}: {how}")
+            for _, n, _, t, idle in mine:
+                ax.annotate(f"idle {idle}%", (n, t), textcoords="offset points", xytext=(6, -3), fontsize=7)
+    ax.set_xlim(0, max(r[1] for r in runs) + 3)
     ax.axhline(ideal, color="black", linestyle="--", label=f"ideal {ideal:.2f} s")
     ax.axhline(target, color="gray", linestyle=":", label=f"ideal + 3 RTT {target:.2f} s")
     ax.axhline(2.0, color="tab:green", linestyle="-.", label="target 2 s")
