@@ -265,36 +265,50 @@ async def test_a_small_version_is_pushed_relayed_and_never_requested(tmp_path, t
         nursery.cancel_scope.cancel()
 
 
+async def origin_and_victim(nursery, stack, tmp_path, tiny_model_dir, **peers):
+    """The origin, a sampler's WeightSync under test (the victim), and bare peers (name -> their push handler, or
+    None: no push protocol) connected to both, the victim's sync running; once identify has told the origin who
+    speaks push. Returns (the origin's swarm, the origin, the victim's sync, the peers' swarms by name)."""
+    key = load_or_create_key(tmp_path / "origin.key")
+    swarm = await stack.enter_async_context(open_swarm(key, LOOPBACK))
+    origin = Origin(swarm, tmp_path, tiny_model_dir, key)
+    victim = await stack.enter_async_context(open_swarm(load_or_create_key(tmp_path / "v.key"), LOOPBACK))
+    others = {}
+    for name, handler in peers.items():
+        others[name] = await stack.enter_async_context(
+            open_swarm(load_or_create_key(tmp_path / f"{name}.key"), LOOPBACK)
+        )
+        if handler is not None:
+            served = serve(name, handler, w.MAX_PUSH_FRAME, w.MAX_PUSH_REPLY, max_containers=w.PUSH_CONTAINERS)
+            others[name].host.set_stream_handler(w.PUSH_PROTOCOL_ID, served)
+
+    async def installed(version, path, changes):
+        pass
+
+    store = ChunkStore(tmp_path / "v")
+    WeightServer(store).register(victim.host)
+    sync = WeightSync(victim, store, victim.gossip, "t", swarm.peer_id, installed)
+    for peer in others.values():
+        await peer.connect(info_from_p2p_addr(swarm.addrs()[0]))
+        await peer.connect(info_from_p2p_addr(victim.addrs()[0]))
+    await victim.connect(info_from_p2p_addr(swarm.addrs()[0]))
+    nursery.start_soon(sync.run)
+    pushed_to = 1 + sum(h is not None for h in peers.values())
+    await wait_until(lambda: len(OriginPush(origin.server).targets()) == pushed_to, 20, what="identify")
+    return swarm, origin, sync, others
+
+
 async def test_a_hostile_relayer_is_struck_and_a_stranger_refused(tmp_path, tiny_model_dir):
     async with trio.open_nursery() as nursery, AsyncExitStack() as stack:
-        key = load_or_create_key(tmp_path / "origin.key")
-        swarm = await stack.enter_async_context(open_swarm(key, LOOPBACK))
-        origin = Origin(swarm, tmp_path, tiny_model_dir, key)
-        victim = await stack.enter_async_context(open_swarm(load_or_create_key(tmp_path / "v.key"), LOOPBACK))
-        evil = await stack.enter_async_context(open_swarm(load_or_create_key(tmp_path / "e.key"), LOOPBACK))
-        stranger = await stack.enter_async_context(open_swarm(load_or_create_key(tmp_path / "x.key"), LOOPBACK))
         given: dict[bytes, bytes] = {}  # what the origin pushed to the hostile peer (it relays none of it)
 
         async def take(message, remote):
-            if remote == swarm.peer_id:  # not the victim's relays of its own share
+            if remote == origin_id:  # not the victim's relays of its own share
                 given.update(w.parse_push(message).chunks)
             return w.pushed_reply(0)
 
-        handler = serve("evil", take, w.MAX_PUSH_FRAME, w.MAX_PUSH_REPLY, max_containers=w.PUSH_CONTAINERS)
-        evil.host.set_stream_handler(w.PUSH_PROTOCOL_ID, handler)
-
-        async def installed(version, path, changes):
-            pass
-
-        store = ChunkStore(tmp_path / "v")
-        WeightServer(store).register(victim.host)
-        sync = WeightSync(victim, store, victim.gossip, "t", swarm.peer_id, installed)
-        for peer in (evil, stranger):
-            await peer.connect(info_from_p2p_addr(swarm.addrs()[0]))
-            await peer.connect(info_from_p2p_addr(victim.addrs()[0]))
-        await victim.connect(info_from_p2p_addr(swarm.addrs()[0]))
-        nursery.start_soon(sync.run)
-        await wait_until(lambda: len(OriginPush(origin.server).targets()) == 2, 20, what="identify")
+        swarm, origin, sync, peers = await origin_and_victim(nursery, stack, tmp_path, tiny_model_dir, e=take, x=None)
+        origin_id, evil, stranger, victim = swarm.peer_id, peers["e"], peers["x"], sync.swarm
 
         async def one(sender, message) -> int:
             async def messages():
@@ -335,30 +349,12 @@ async def test_a_relay_that_comes_before_its_plan_waits_for_it(tmp_path, tiny_mo
     piece waits for the plan (``policy.PLAN_WAIT``) instead of being dropped (the relayer never sends it again, so it
     was asked for only after the relay wait: the 4-5 s tails of the 1.5B WAN replay)."""
     async with trio.open_nursery() as nursery, AsyncExitStack() as stack:
-        key = load_or_create_key(tmp_path / "origin.key")
-        swarm = await stack.enter_async_context(open_swarm(key, LOOPBACK))
-        origin = Origin(swarm, tmp_path, tiny_model_dir, key)
-        victim = await stack.enter_async_context(open_swarm(load_or_create_key(tmp_path / "v.key"), LOOPBACK))
-        relayer = await stack.enter_async_context(open_swarm(load_or_create_key(tmp_path / "r.key"), LOOPBACK))
 
         async def accept(message, remote):
             return w.pushed_reply(len(w.parse_push(message).chunks))
 
-        relayer.host.set_stream_handler(
-            w.PUSH_PROTOCOL_ID, serve("r", accept, w.MAX_PUSH_FRAME, w.MAX_PUSH_REPLY, max_containers=w.PUSH_CONTAINERS)
-        )
-
-        async def installed(version, path, changes):
-            pass
-
-        store = ChunkStore(tmp_path / "v")
-        WeightServer(store).register(victim.host)
-        sync = WeightSync(victim, store, victim.gossip, "t", swarm.peer_id, installed)
-        await relayer.connect(info_from_p2p_addr(swarm.addrs()[0]))
-        await relayer.connect(info_from_p2p_addr(victim.addrs()[0]))
-        await victim.connect(info_from_p2p_addr(swarm.addrs()[0]))
-        nursery.start_soon(sync.run)
-        await wait_until(lambda: len(OriginPush(origin.server).targets()) == 2, 20, what="identify")
+        swarm, origin, sync, peers = await origin_and_victim(nursery, stack, tmp_path, tiny_model_dir, r=accept)
+        relayer, victim = peers["r"], sync.swarm
         for version in (0, 1):  # the victim holds a plan naming the relayer (it admits the relayer's pushes)
             await origin.outbox.send(version)
             await wait_until(lambda v=version: sync.current == v, 30, what=f"version {version}", state=sync.status)
