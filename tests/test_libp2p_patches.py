@@ -344,8 +344,8 @@ async def credits_for_one_transfer(read_size: int, nbytes: int = 4 << 20) -> tup
 
 async def test_stock_yamux_sends_a_window_update_per_read():
     """4 MiB read 16 KiB at a time: stock py-libp2p credits the sender after (nearly) every read, 256 reads; the
-    patch, go-yamux's rule, once half the window is owed (3 here, the window starting at 4 MiB), and every byte still
-    arrives."""
+    patch, go-yamux's rule, once half the window is owed (a few here: the first read opens the window to 4 MiB), and
+    every byte still arrives."""
     with libp2p_patches.disabled():
         received, stock = await credits_for_one_transfer(16 << 10)
     assert received == 4 << 20
