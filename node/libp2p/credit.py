@@ -41,6 +41,5 @@ async def credit_at_half_window(self: YamuxStream, *, bytes_read: int = 0) -> No
         if owed > 0 and (owed >= self._grow_threshold() or self.target_recv_window < FIRST_TARGET):
             self.target_recv_window = max(self.target_recv_window, FIRST_TARGET)  # the first read: see above
             credit = self._grow_to_delta(buffered) + self._apply_autotune_epoch(buffered)
-        self._pending_recv_release = 0  # upstream's per-read bookkeeping, unused by this rule
     if credit > 0:
         await self.send_window_update(credit, skip_lock=True)

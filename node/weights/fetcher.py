@@ -194,8 +194,12 @@ class Download:
         self._progress = trio.Event()
 
     # -- choosing chunks (node/weights/policy.py decides) --------------------------------------------------
-    def board(self) -> policy.Board:
+    def expected_indices(self) -> dict[int, float]:
+        """The chunks of this download a planned push is bringing: index -> until when (trio's clock)."""
         index = self.layout.index
+        return {index[h]: t for h, t in self.expected.items() if h in index}
+
+    def board(self) -> policy.Board:
         return policy.Board(
             missing=self.missing,
             holders=self.holders,
@@ -206,7 +210,7 @@ class Download:
             failed=self.failed,
             declined=self.declined,
             last_arrival=self.downlink.last,
-            expected={index[h]: t for h, t in self.expected.items() if h in index},
+            expected=self.expected_indices(),
         )
 
     def pick(self, peer: ID) -> list[int]:
@@ -267,11 +271,9 @@ class Download:
         and no one while a planned push brings every chunk still missing (``policy.push_pending``)."""
         interval = self.settings.have_interval
         total = len(self.layout.chunks)
-        index = self.layout.index
         while True:
             now = trio.current_time()
-            expected = {index[h]: t for h, t in self.expected.items() if h in index}
-            pending = policy.push_pending(self.missing, expected, now)
+            pending = policy.push_pending(self.missing, self.expected_indices(), now)
             if pending is not None:  # a push brings all that is missing: no polls (here and at the peers) till due
                 with trio.move_on_after(min(pending, interval)):
                     await self._progress.wait()

@@ -393,12 +393,11 @@ class WeightSync:
         accepted: list[tuple[bytes, bytes, int]] = []
         for h, data in push.chunks:
             i = state.index.get(h)
-            if i is None or len(data) > state.manifest.chunk_size:
-                self.refused_pushed += 1
-            elif not policy.push_source_ok(sender, origin, state.first.get(i)):
-                self.refused_pushed += 1
-            else:
+            fits = i is not None and len(data) <= state.manifest.chunk_size
+            if fits and policy.push_source_ok(sender, origin, state.first.get(i)):
                 accepted.append((h, data, i))
+            else:
+                self.refused_pushed += 1
         fresh = [(h, data) for h, data, _ in accepted if not self.store.has(h)]
         # one thread hop for the message's chunks (each checked against its blake3 before it is stored)
         stored = await trio.to_thread.run_sync(self._store_each, fresh) if fresh else {}
@@ -467,8 +466,7 @@ class WeightSync:
             "origin": now + policy.push_wait(plan_bytes, n, rate, plan.copies),
             "relay": now + policy.push_wait(plan_bytes, n, rate, relayed=True),
         }
-        host = self.swarm.host
-        reachable = {p.to_bytes() for p in host.get_connected_peers() if self.swarm.is_direct(p)}
+        reachable = {p.to_bytes() for p in self.swarm.host.get_connected_peers() if self.swarm.is_direct(p)}
         self._expecting.clear()  # (the dict itself is shared with the downloads)
         for i, holder in first.items():
             source = policy.push_source(me, holder, self._push.direct.get(i, frozenset()), reachable)
