@@ -4,6 +4,7 @@ origin's plan names, each chunk checked against its hash."""
 
 from __future__ import annotations
 
+import math
 from contextlib import AsyncExitStack
 from pathlib import Path
 
@@ -80,6 +81,25 @@ def test_push_copies_balance_the_origins_uplink_against_the_slowest_relayer():
     assert c == 11
     # c copies from the origin take about as long as the slowest relayer's share to the n - c others
     assert abs(c / up - (n - c) / (n * u)) <= 1 / up + 1 / (n * u)
+
+
+def test_push_copies_send_every_share_while_the_slowest_lane_is_still_in_slow_start():
+    mbit, mb = 1e6 / 8, 1e6
+    # slow start: a fresh 170 ms path carries 14.5 KB, 29 KB, 58 KB .. a round trip: 4.55 MB takes ~8.3 of them
+    assert policy.ramp_time(4.55 * mb, 0.17) == pytest.approx(0.17 * math.log2(4.55 * mb / policy.INITIAL_WINDOW + 1))
+    assert 8 < policy.ramp_time(4.55 * mb, 1.0) < 9 and policy.ramp_time(0, 0.17) == 0
+    up = 1000 * mbit
+    # issue 27's headline: 14 samplers, the slowest 170 ms away; 14 copies of 4.55 MB take the 1 Gbit/s uplink
+    # 0.51 s, less than the slowest lane's ramp (1.4 s): every sampler gets every share from the origin
+    assert policy.push_copies(14, up, int(4.55 * mb), 0.17) == 14
+    assert policy.push_copies(14, up, int(4.55 * mb), 0.0) == 11  # no RTT measured yet: the bandwidth balance
+    # 500 samplers: the copies the uplink sends during the ramp (~38), or the bandwidth balance if more; relays do
+    # the rest
+    assert policy.push_copies(500, up, int(4.55 * mb), 0.17) == policy.push_copies(500, up) == 45
+    assert policy.push_copies(500, 100 * up, int(4.55 * mb), 0.17) == 500  # a 100 Gbit/s origin sends them all
+    assert policy.push_copies(14, 0.0, int(4.55 * mb), 0.17) == 1  # an uplink it does not know: one copy
+    # a slow origin on a short path: relays (a 25 Mbit/s uplink sends 0.1 copies of 4.55 MB in a 20 ms path's ramp)
+    assert policy.push_copies(14, 25 * mbit, int(4.55 * mb), 0.02) == 1
 
 
 def test_a_pushed_chunk_is_taken_only_from_the_origin_or_its_planned_relayer():

@@ -20,6 +20,7 @@
 - ``ping_state``: yamux's keepalive (a ping every 30 s, ``Yamux._measure_rtt_loop``) never acts on a missing
   pong; this reads when the last ping went out and whether it was answered.
 - ``is_inbound``, ``remote_ip``: a connection's direction and the IP of its transport's remote end.
+- ``path_rtt``: the round trip yamux's keepalive measured to a peer (its ping's pong, smoothed).
 """
 
 from __future__ import annotations
@@ -203,6 +204,18 @@ def ping_state(conn: INetConn) -> tuple[float, bool]:
     if not isinstance(sent_at, float) or not isinstance(event, trio.Event):
         return 0.0, True
     return sent_at, event.is_set()
+
+
+def path_rtt(network: INetwork, peer: ID) -> float:
+    """Seconds: the smallest round trip the keepalive measured on a connection to ``peer`` (0: none measured yet;
+    the first ping goes out 0.5 s after a connection starts). Measured here, so a peer can only make it longer."""
+    rtts = []
+    for conn in network.get_connections(peer):
+        rtt = getattr(conn.muxed_conn, "rtt", None)
+        value = rtt() if callable(rtt) else 0.0
+        if isinstance(value, float) and value > 0:
+            rtts.append(value)
+    return min(rtts, default=0.0)
 
 
 def is_inbound(conn: INetConn) -> bool:

@@ -25,6 +25,7 @@ import trio
 from libp2p.abc import IHost
 from libp2p.peer.id import ID
 
+from node.libp2p.conns import path_rtt
 from node.ratelimit import PeerRateLimiter, ip_key, take_all
 from node.rpc import PEER_GONE, request, serve
 from node.weights import policy
@@ -386,9 +387,12 @@ class OriginPush:
             out.set()
             return 0
         index = {h: i for i, h in enumerate(manifest.all_chunks())}
-        n, copies = len(targets), policy.push_copies(len(targets), self.uplink)
+        network = self.server.host.get_network()
+        slowest = max(path_rtt(network, p) for p in targets)
+        pushed = sum(sizes.get(h, 0) for h in pieces)
+        n, copies = len(targets), policy.push_copies(len(targets), self.uplink, pushed, slowest)
         plan = w.PushPlan([p.to_bytes() for p in targets], [index[h] for h in pieces], copies)
-        deadline = push_deadline(copies * sum(sizes.get(h, 0) for h in pieces))  # every lane shares this uplink
+        deadline = push_deadline(copies * pushed)  # every lane shares this uplink
         took, waiting = 0, set(range(n))
 
         def manifest_out(k: int) -> None:
