@@ -5,6 +5,12 @@ The manifest lists every file's chunks in order and the weight file's tensor lay
 its msgpack body with its libp2p key. Bulk bytes never ride on gossip (gossipsub drops >1 MiB silently):
 gossip carries only announcements and have-bitfields, chunks move over the direct request protocol.
 
+A signed manifest travels (and is stored) as ``{v, t: "manifest", zbody, sig, key}``: ``sig`` signs the msgpack
+body (node/weights/hashes.py; its blake3 is the manifest's id) and ``zbody`` is that body zlib-compressed (RFC 1950,
+one complete stream, at most ``MAX_MANIFEST_BODY`` bytes inflated). Names, dtypes and shapes repeat from tensor to
+tensor: a 1.5B manifest is ~100 KB raw and ~36 KB compressed, and on a far path in slow start each 2x is a round
+trip before the node knows its plan. ``body`` (uncompressed, as before) is still read.
+
 Manifest body, format 2 (format 1, without ``format``, tensor hashes or ``patch``, is still read):
 
 - ``tensors[i].hash``: blake3 of tensor i's bytes in the version's ``model.safetensors`` (every tensor).
@@ -67,7 +73,9 @@ manifest, as before.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import msgpack
@@ -92,6 +100,7 @@ GOSSIP_MAX = 1 << 16
 # a map and a list per file and per tensor, and a list per patched tensor
 MANIFEST_CONTAINERS = 2 * MAX_FILES + 3 * MAX_TENSORS + 32
 SIGN_DOMAIN = b"swarmrl-manifest-v1:"
+MANIFEST_ZLIB_LEVEL = 6  # a 1.5B int8-grid patch manifest: 100 KB -> 36 KB, 1.2 ms once; level 9: 35.9 KB, 2.9 ms
 MANIFEST_FORMAT = 2
 WEIGHTS_FILE = "model.safetensors"
 PATCH_CODECS = ("zlib", "lzma")
@@ -360,13 +369,34 @@ class SignedManifest:
     signature: bytes
     public_key: bytes  # libp2p protobuf-serialized public key of the signer
 
+    @cached_property
+    def zbody(self) -> bytes:
+        """The body as it travels: zlib (RFC 1950), computed once per manifest however many peers it goes to."""
+        return zlib.compress(self.body, MANIFEST_ZLIB_LEVEL)
+
     def to_wire(self) -> dict[str, Any]:
-        return {"v": WIRE_VERSION, "t": "manifest", "body": self.body, "sig": self.signature, "key": self.public_key}
+        return {"v": WIRE_VERSION, "t": "manifest", "zbody": self.zbody, "sig": self.signature, "key": self.public_key}
 
     @classmethod
     def from_wire(cls, m: dict[str, Any]) -> SignedManifest:
         s.expect_type(m, "manifest")
-        return cls(s.blob(m, "body", MAX_MANIFEST_BODY), s.blob(m, "sig", 256), s.blob(m, "key", 256))
+        if "zbody" in m:
+            body = inflate(s.blob(m, "zbody", MAX_MANIFEST_BODY), MAX_MANIFEST_BODY)
+        else:  # as manifests travelled before zbody
+            body = s.blob(m, "body", MAX_MANIFEST_BODY)
+        return cls(body, s.blob(m, "sig", 256), s.blob(m, "key", 256))
+
+
+def inflate(data: bytes, limit: int) -> bytes:
+    """One complete zlib stream of at most ``limit`` bytes out (a bomb stops there)."""
+    d = zlib.decompressobj()
+    try:
+        out = d.decompress(data, limit + 1)
+    except zlib.error as exc:
+        raise s.SchemaError(f"undecodable zlib stream: {exc}") from None
+    if len(out) > limit or not d.eof or d.unconsumed_tail or d.unused_data:
+        raise s.SchemaError(f"zlib stream inflates past {limit} bytes, or is truncated")
+    return out
 
 
 # -- requests (one request, one reply per stream) -------------------------------------------------------

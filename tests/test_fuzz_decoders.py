@@ -5,6 +5,7 @@ escape (an escaping exception in a py-libp2p handler takes the whole host down).
 from __future__ import annotations
 
 import struct
+import zlib
 
 import msgpack
 import pytest
@@ -165,6 +166,19 @@ def test_mutated_manifest_bodies_only_raise_protocol_errors(fields, files):
     # and a body signed by the trusted key round-trips through verification
     signed = sign_manifest(manifest, KEY)
     assert verify_manifest(signed, TRUSTED, manifest.swarm) == manifest
+
+
+def test_a_manifest_travels_compressed_and_a_zlib_bomb_is_refused():
+    signed = sign_manifest(MANIFEST, KEY)
+    sent = signed.to_wire()
+    assert "body" not in sent and zlib.decompress(sent["zbody"]) == signed.body
+    assert w.SignedManifest.from_wire(wire(sent)) == signed
+    raw = {"v": 1, "t": "manifest", "body": signed.body, "sig": signed.signature, "key": signed.public_key}
+    assert w.SignedManifest.from_wire(wire(raw)) == signed  # as manifests travelled before
+    bomb = zlib.compress(bytes(w.MAX_MANIFEST_BODY + 1), 9)  # 8 KB that inflate past the body limit
+    for zbody in (bomb, sent["zbody"][:-3], sent["zbody"] + b"more", b"\x00" * 40):  # a bomb, cut, trailing, junk
+        with pytest.raises(ProtocolError, match="zlib"):
+            w.SignedManifest.from_wire({**sent, "zbody": zbody})
 
 
 @FUZZ
