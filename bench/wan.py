@@ -32,9 +32,10 @@ uncounted (the origin cuts pieces by the last patch's size). TCP starts from an 
 jumbo segments, ~10 x 1448 B; ``--jumbo-window``: the kernel's 10 jumbo segments, 6x that; ``--warm``: no host
 restarts slow start after an idle period, net.ipv4.tcp_slow_start_after_idle=0). The origin is told its uplink
 (the trainer's ``origin_uplink_mbps``: it pushes each piece to several samplers, node/weights/policy.py
-``push_copies``; ``--one-copy``: it is not, and pushes one copy of each). Per version: time from publication to the
-last sampler, against the ideal and 2 s, with the CPU share; appends to bench/results/wan.txt, plots
-bench/results/wan_replay.png.
+``push_copies``: here to all 14, its lanes to far samplers being in slow start longer than 14 copies take its
+uplink; ``--one-copy``: it is not, and pushes one copy of each). Per version: time from publication to the last
+sampler, against the ideal and 2 s, with the CPU share; appends to bench/results/wan.txt (the header names the
+commit that ran), plots bench/results/wan_replay.png and, over every replay recorded, wan_replay_n.png.
 
     sudo .venv/bin/python bench/wan.py [--samplers 12] [--origin-mbps 100] [--rounds 2]
     sudo .venv/bin/python bench/wan.py --delta [--samplers 6] [--layers 10 --hidden 512] [--link-scale 1]
@@ -347,6 +348,7 @@ def replay(args: argparse.Namespace) -> int:
         + ("the origin pushes one copy of each piece" if args.one_copy else "the origin knows its uplink")
         + ("; initial TCP window 10 jumbo segments" if args.jumbo_window else "; initial TCP window ~10 x 1448 B")
         + ("; no slow start after idle" if args.warm else "")
+        + f"; code {code_version()}"
     ]
     ideals = [ideal_time(r.size, args.samplers, args.origin_mbps, args.link_scale, profile) for r in counted]
     for r, ideal in zip(counted, ideals, strict=True):
@@ -382,34 +384,49 @@ def replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def code_version() -> str:
+    """The product's commit (short), with "+" when node/, protocols/ or trainer/ differ from it: what a run ran."""
+    repo = Path(__file__).resolve().parents[1]
+    git = ["git", "-C", str(repo)]
+    try:
+        sha = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run([*git, "status", "--porcelain", "node", "protocols", "trainer"], capture_output=True,
+                               text=True, check=True)  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return sha.stdout.strip() + ("+" if dirty.stdout.strip() else "")
+
+
 REPLAY_HEAD = re.compile(
     r"^## (\d{4}-\d{2}-\d{2}) .*bench/wan --replay: .*?, (\d+) samplers in .*?; "
-    r"(the origin knows its uplink|the origin pushes one copy of each piece); initial TCP window ~10 x 1448 B$"
+    r"(the origin knows its uplink|the origin pushes one copy of each piece); initial TCP window ~10 x 1448 B"
+    r"(?:; code (\S+))?$"
 )
 REPLAY_TIME = re.compile(r"^time to the last sampler: median ([\d.]+) s, .*\(idle lab: (\d+)%\)")
 
 
 def summarize_replays(results: Path, png: Path, ideal: float, target: float) -> None:
     """Every --replay run in ``results`` (default windows, no --warm): the median time to the last sampler against
-    the number of samplers, copies or one copy, coloured by the day it ran (the product changed between days), with
-    the idle lab's CPU share beside each point."""
+    the number of samplers, copies or one copy, coloured by the code it ran (the day, for runs before the header
+    named the commit), with the idle lab's CPU share beside each point."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs: list[tuple[str, int, bool, float, int]] = []  # (day, samplers, copies, median s, idle %)
+    runs: list[tuple[str, int, bool, float, int]] = []  # (day and code, samplers, copies, median s, idle %)
     head = None
     for line in results.read_text().splitlines():
         if m := REPLAY_HEAD.match(line):
-            head = (m.group(1), int(m.group(2)), m.group(3).endswith("uplink"))
+            when = m.group(1) + (f" ({m.group(4)})" if m.group(4) else "")
+            head = (when, int(m.group(2)), m.group(3).endswith("uplink"))
         elif head is not None and (m := REPLAY_TIME.match(line)):
             runs.append((*head, float(m.group(1)), int(m.group(2))))
             head = None
     if not runs:
         return
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for k, day in enumerate(sorted({r[0] for r in runs})):
+    for k, day in enumerate(dict.fromkeys(r[0] for r in runs)):  # in the order they ran
         for copies, marker, how in ((True, "o", "the origin knows its uplink"), (False, "x", "one copy")):
             mine = [r for r in runs if r[0] == day and r[2] == copies]
             if not mine:
