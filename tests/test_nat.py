@@ -21,6 +21,7 @@ from libp2p.peer.peerinfo import PeerInfo
 from bench.netlab.nat import NatLab, nat_unavailable
 from bench.netlab.topology import Link, lab_unavailable
 from node.host import open_swarm
+from node.libp2p.nat import conn_kind
 from node.reachability import PRIVATE, PUBLIC, DialBack, ReachOptions, is_relayed_addr
 from tests.helpers import slowdown, wait_for, wait_until
 
@@ -108,6 +109,22 @@ def test_dial_back_dials_only_the_observed_ip_at_the_advertised_ports():
     out = [str(multiaddr.Multiaddr(a)) for a in DialBack._filter_by_observed_ip(addrs, "203.0.113.7")]
     assert out == ["/ip4/203.0.113.7/tcp/4001", "/ip4/203.0.113.7/tcp/4002"]
     assert DialBack._filter_by_observed_ip(addrs, None) == []
+
+
+def test_a_connections_kind_is_read_from_its_addresses_once():
+    class Conn:
+        def __init__(self, addrs: list[str]) -> None:
+            self.addrs, self.reads = [multiaddr.Multiaddr(a) for a in addrs], 0
+
+        def get_transport_addresses(self) -> list[multiaddr.Multiaddr]:
+            self.reads += 1
+            return self.addrs
+
+    relay = "/ip4/10.0.0.1/tcp/4001/p2p/12D3KooWRBy97UB99e3J6hiPesre1MZeuNQvfan4gBziswrRJsNK/p2p-circuit"
+    direct, relayed = Conn(["/ip4/10.0.0.2/tcp/4001"]), Conn([relay])
+    for _ in range(3):
+        assert conn_kind(direct) == "direct" and conn_kind(relayed) == "relayed"
+    assert direct.reads == relayed.reads == 1
 
 
 async def test_reachability_relay_and_fresh_dial_backs_on_loopback():
