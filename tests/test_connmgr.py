@@ -116,6 +116,10 @@ def test_pong_overdue_and_the_stream_cap():
     assert not pong_overdue(10.0, True, 100.0, 45)  # answered
     assert not pong_overdue(60.0, False, 100.0, 45)
     assert pong_overdue(50.0, False, 100.0, 45)
+    # bytes read since the ping went out: the peer is there, its pong late or dropped; nothing since: dead
+    assert not pong_overdue(50.0, False, 100.0, 45, last_read=51.0)
+    assert pong_overdue(50.0, False, 100.0, 45, last_read=49.0)
+    assert not pong_overdue(60.0, False, 100.0, 45, last_read=10.0)  # not overdue yet
     limits = ConnLimits(max_unnegotiated=16)
     assert not refuse_stream(15, limits) and refuse_stream(16, limits)
 

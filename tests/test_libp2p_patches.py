@@ -358,6 +358,30 @@ async def test_stock_yamux_sends_a_window_update_per_read():
     assert received == 1 << 20
 
 
+async def test_the_read_loop_notes_when_it_last_read_and_stock_does_not():
+    """What the keepalive asks before it calls a connection dead (node/connmgr.py ``pong_overdue``)."""
+    from node.discovery import role_cid
+    from node.host import open_swarm
+    from node.libp2p import providers_from_peer
+    from node.libp2p.conns import last_read
+
+    async def stamps() -> tuple[float, float, float]:
+        async with open_swarm(create_new_key_pair(), LISTEN) as a, open_swarm(create_new_key_pair(), LISTEN) as b:
+            await a.connect(PeerInfo(b.peer_id, b.addrs()))
+            conn = a.host.get_network().get_connections(b.peer_id)[0]
+            first, before = last_read(conn), trio.current_time()
+            await providers_from_peer(a.dht, b.peer_id, role_cid("test", "trainer"))  # its answer is read on conn
+            return first, before, last_read(conn)
+
+    with trio.fail_after(30):
+        with libp2p_patches.disabled():
+            first, _, last = await stamps()
+        assert first == last == 0.0  # stock py-libp2p keeps no such time
+        libp2p_patches.apply()
+        first, before, last = await stamps()
+        assert 0 < first <= before <= last
+
+
 # -- 5. TCP and circuit addresses -----------------------------------------------------------------------------------
 
 

@@ -18,7 +18,8 @@
   ``ConnectionPruner`` closes connections above the high watermark (300) down to the low one (100), blind to the
   peers we protect. Whom to dial is discovery's choice (node/discovery.py); whom to drop the manager's.
 - ``ping_state``: yamux's keepalive (a ping every 30 s, ``Yamux._measure_rtt_loop``) never acts on a missing
-  pong; this reads when the last ping went out and whether it was answered.
+  pong; this reads when the last ping went out and whether it was answered. ``last_read``: when the connection's
+  read loop last read from it (stamped by patches.py's read loop).
 - ``is_inbound``, ``remote_ip``: a connection's direction and the IP of its transport's remote end.
 - ``path_rtt``: the round trip yamux's keepalive measured to a peer (its ping's pong, smoothed).
 """
@@ -216,6 +217,15 @@ def path_rtt(network: INetwork, peer: ID) -> float:
         if isinstance(value, float) and value > 0:
             rtts.append(value)
     return min(rtts, default=0.0)
+
+
+LAST_READ = "_swarmrl_last_read"  # on a yamux muxer: trio time of its read loop's last read (patches._stamp_reads)
+
+
+def last_read(conn: INetConn) -> float:
+    """Trio time the connection's read loop last read bytes from it (0: not known, a muxer it does not stamp)."""
+    value = getattr(conn.muxed_conn, LAST_READ, 0.0)
+    return value if isinstance(value, float) else 0.0
 
 
 def is_inbound(conn: INetConn) -> bool:

@@ -144,7 +144,7 @@ from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH
 from libp2p.stream_muxer.yamux import yamux as _yamux
 from libp2p.transport.tcp.tcp import TCP
 
-from node.libp2p.conns import _handle_inbound_connection
+from node.libp2p.conns import LAST_READ, _handle_inbound_connection
 from node.libp2p.credit import credit_at_half_window
 from node.libp2p.nat import is_relayed_addr
 from node.libp2p.providers import add_provider, get_providers
@@ -231,6 +231,7 @@ async def _handle_incoming_with_ready_signal(
     """Upstream's read-loop task, with a control-frame sender running beside it for its whole life."""
     ctrl = _ControlQueue(trio.lowlevel.current_task())
     self._swarmrl_ctrl = ctrl  # type: ignore[attr-defined]
+    _stamp_reads(self)
     original = _state["originals"]["Yamux._handle_incoming_with_ready_signal"]
     task_status.started()
     async with trio.open_nursery() as nursery:
@@ -240,6 +241,24 @@ async def _handle_incoming_with_ready_signal(
         finally:
             ctrl.closed = True
             nursery.cancel_scope.cancel()
+
+
+def _stamp_reads(muxer: _yamux.Yamux) -> None:
+    """Have the read loop note (trio time, ``LAST_READ`` on the muxer) whenever it reads from its secured connection:
+    conns.last_read, for the keepalive's "nothing came since the ping" (node/connmgr.py ``pong_overdue``)."""
+    secured = muxer.secured_conn
+    read = secured.read
+
+    async def stamped(n: int | None = None) -> bytes:
+        data = await read(n)
+        setattr(muxer, LAST_READ, trio.current_time())
+        return data
+
+    setattr(muxer, LAST_READ, trio.current_time())
+    try:
+        secured.read = stamped  # type: ignore[method-assign]
+    except AttributeError:  # a secure session with __slots__: last_read stays at the start (the stock rule)
+        pass
 
 
 async def _write_frame(self: _yamux.Yamux, data: bytes) -> None:
@@ -552,6 +571,7 @@ INTERNALS: tuple[tuple[str, str], ...] = (
     ("CircuitV2Protocol._handle_connect", "nat.RelayHop: counts circuits"),
     ("Swarm._inbound_limiter, .common_stream_handler", "conns.attach_admission, conns.cap_unnegotiated"),
     ("Yamux._ping_sent_time, ._ping_event", "conns.ping_state: node/connmgr.py closes connections gone silent"),
+    ("Yamux.secured_conn.read", "_stamp_reads: conns.last_read, when the read loop last read from the connection"),
     ("DCUtRProtocol._try_unilateral_upgrade, ._perform_hole_punch", "nat.HolePuncher: reports outcomes"),
 )
 # the classes those overrides and reads belong to (a rename upstream fails an import here, not at run time)
