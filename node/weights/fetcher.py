@@ -98,19 +98,19 @@ class Conduct:
         if not served:
             key = str(peer)
             self.unanswered[key] = self.unanswered.pop(key, 0) + 1
-        self._set(peer, policy.request_ended(self.get(peer), served, now))
+        self._set(peer, policy.request_ended(self.get(peer), served, now), now)
 
     def dropped(self, peer: ID, now: float) -> None:
         """A download dropped ``peer`` (and struck it already): it stays off every download for a while."""
-        self._set(peer, policy.bench(self.get(peer), now), struck=True)
+        self._set(peer, policy.bench(self.get(peer), now), now, struck=True)
 
-    def _set(self, peer: ID, new: policy.Standing, struck: bool = False) -> None:
+    def _set(self, peer: ID, new: policy.Standing, now: float, struck: bool = False) -> None:
         key = str(peer)
         old = self.standing.pop(key, policy.Standing())
         self.standing[key] = new  # re-inserted: most recently heard of last
         if new.until > old.until:
             self.benches += 1
-            log.warning("not asking %s for chunks for %.0f s (bench %d)", peer, new.until - old.until, new.benches)
+            log.warning("not asking %s for chunks for %.0f s (bench %d)", peer, new.until - now, new.benches)
             if not struck and policy.strike_on_bench(new.benches):
                 self.strikes.strike(peer)
         for table in (self.standing, self.unanswered):
