@@ -93,6 +93,9 @@ def test_push_copies_send_every_share_while_the_slowest_lane_is_still_in_slow_st
     # 0.51 s, less than the slowest lane's ramp (1.4 s): every sampler gets every share from the origin
     assert policy.push_copies(14, up, int(4.55 * mb), 0.17) == 14
     assert policy.push_copies(14, up, int(4.55 * mb), 0.0) == 11  # no RTT measured yet: the bandwidth balance
+    # a peer that delays its pongs 10 s makes the origin believe MAX_PATH_RTT at most: for 64 peers and a 32 MB
+    # update the ramp's ~17 copies, under the bandwidth balance's 28 (believing 10 s: all 64, 2 GB per version)
+    assert policy.push_copies(64, up, 32_000_000, 10.0) == policy.push_copies(64, up) == 28
     # 500 samplers: the copies the uplink sends during the ramp (~38), or the bandwidth balance if more; relays do
     # the rest
     assert policy.push_copies(500, up, int(4.55 * mb), 0.17) == policy.push_copies(500, up) == 45

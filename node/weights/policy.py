@@ -97,6 +97,7 @@ PUSH_GRACE = 1.0  # seconds a pushed piece may be late before it is asked for, b
 REANNOUNCE_MOST = 60.0  # seconds: the trainer's re-announcements of one version slow down to one a minute
 RELAY_UPLINK = 20e6 / 8  # bytes/s: the slow home uplink a relaying sampler is assumed to have (20 Mbit/s)
 INITIAL_WINDOW = 10 * 1448  # bytes a TCP path that was idle may carry in its first round trip (RFC 6928)
+MAX_PATH_RTT = 0.4  # seconds: the longest round trip push_copies believes (antipodes ~0.3 s; a peer can slow its pongs)
 PUSH_BATCH_BYTES = 512 << 10  # pushed chunks a receiver does not relay, packed into one message up to this
 PLAN_WAIT = 2.0  # seconds a relayed piece that came before this node's plan of its version waits for that plan
 
@@ -437,7 +438,8 @@ def push_copies(
     if peers <= 1 or origin_uplink <= 0:
         return 1
     balanced = round(peers * origin_uplink / (origin_uplink + peers * relay_uplink))
-    free = int(ramp_time(update_bytes, slowest_rtt) * origin_uplink / update_bytes) if update_bytes > 0 else 0
+    ramp = ramp_time(update_bytes, min(slowest_rtt, MAX_PATH_RTT))  # a peer delaying its pongs buys no more copies
+    free = int(ramp * origin_uplink / update_bytes) if update_bytes > 0 else 0
     return max(1, min(peers, max(balanced, free)))
 
 
