@@ -8,8 +8,9 @@ gossip carries only announcements and have-bitfields, chunks move over the direc
 A signed manifest travels (and is stored) as ``{v, t: "manifest", zbody, sig, key}``: ``sig`` signs the msgpack
 body (node/weights/hashes.py; its blake3 is the manifest's id) and ``zbody`` is that body zlib-compressed (RFC 1950,
 one complete stream, at most ``MAX_MANIFEST_BODY`` bytes inflated). Names, dtypes and shapes repeat from tensor to
-tensor: a 1.5B manifest is ~100 KB raw and ~36 KB compressed, and on a far path in slow start each 2x is a round
-trip before the node knows its plan. ``body`` (uncompressed, as before) is still read.
+tensor: a 1.5B int8-grid patch manifest is ~100 KB raw and ~36 KB compressed (a full version's, mostly chunk hashes,
+153 -> 123 KB), what the trainer uploads once per version per sampler. ``body`` (uncompressed, as before) is still
+read.
 
 Manifest body, format 2 (format 1, without ``format``, tensor hashes or ``patch``, is still read):
 
