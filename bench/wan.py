@@ -21,6 +21,7 @@ uncounted ``warmup`` patches come first: the origin cuts pieces by the last patc
 and the second is cut with it (its other files re-cut once). ``--patch-only`` skips the full rounds;
 ``--no-push`` runs the origin without push (announce, then requests only: the baseline); ``--compare-push``
 alternates push rounds (``patch``) with baseline rounds (``nopush``: no push, configured chunk size) in one lab.
+The origin knows its uplink (``--origin-mbps``), as in ``--replay``; ``--one-copy``: it does not.
 bench/delta.py runs this mode on real trained versions and records it.
 
 ``--replay DIR``: the headline of issue 27. The origin (1 Gbit/s, ``--origin-mbps 1000``) sends the 1.5B-shaped
@@ -244,7 +245,7 @@ def main() -> int:
     ap.add_argument("--compare-push", action="store_true", help="with --delta --patch-only: push and baseline rounds")
     ap.add_argument("--replay", type=Path, help="send bench/delta_shaped.py --keep DIR's versions (see above)")
     ap.add_argument("--jumbo-window", action="store_true", help="--replay: the kernel's initial window (see above)")
-    ap.add_argument("--one-copy", action="store_true", help="--replay: the origin pushes one copy of each piece")
+    ap.add_argument("--one-copy", action="store_true", help="--replay, --delta: the origin pushes one copy of each")
     ap.add_argument("--warm", action="store_true", help="--replay: hosts keep TCP windows across idle periods")
     ap.add_argument("--homes", action="store_true", help="samplers on issue 27's home links (100-300 down, 20-50 up)")
     args = ap.parse_args()
@@ -263,6 +264,7 @@ def main() -> int:
         modes = ["warmup", "warmup", *modes]
         origin_args += ("--delta", "--delta-lr", str(args.delta_lr))
         origin_args += ("--no-push",) if args.no_push else ()
+        origin_args += ("--uplink-mbps", str(0 if args.one_copy else args.origin_mbps))  # as --replay's origin
     with TemporaryDirectory(prefix="swarmrl-wan-") as tmp, Progress(console=console) as progress:
         root = Path(tmp)
         model = build_random_model(root / "model", layers=args.layers, hidden=args.hidden)
@@ -501,7 +503,9 @@ def report_delta(rounds: list[Round], args: argparse.Namespace) -> None:
         f"\n## {when}: bench/wan --delta{' --patch-only' if args.patch_only else ''}"
         f"{flag}: {args.samplers} samplers, origin {args.origin_mbps:g} "
         f"Mbit/s, access links x{args.link_scale:g}, lr {args.delta_lr:g}, {args.layers} layers x {args.hidden}, "
-        f"{args.rounds} rounds per mode (nice 19 on a shared 2-core box: see the CPU share)\n"
+        f"{args.rounds} rounds per mode (nice 19 on a shared 2-core box: see the CPU share); "
+        + ("the origin pushes one copy of each piece" if args.one_copy else "the origin knows its uplink")
+        + f"; code {code_version()}\n"
     )
     RESULTS.mkdir(exist_ok=True)
     with open(RESULTS / "wan.txt", "a") as fh:
