@@ -98,6 +98,9 @@ REANNOUNCE_MOST = 60.0  # seconds: the trainer's re-announcements of one version
 RELAY_UPLINK = 20e6 / 8  # bytes/s: the slow home uplink a relaying sampler is assumed to have (20 Mbit/s)
 INITIAL_WINDOW = 10 * 1448  # bytes a TCP path that was idle may carry in its first round trip (RFC 6928)
 MAX_PATH_RTT = 0.4  # seconds: the longest round trip push_copies believes (antipodes ~0.3 s; a peer can slow its pongs)
+# of the slowest lane's ramp, the time the copies may take the origin's uplink: bench/wan --delta (origin 25 Mbit/s,
+# 6 samplers, 0.66 MB, ramp ~0.94 s) with 2, 3, 5, 6 copies: 1.45, 1.33, 1.54, 1.71 s to the last sampler
+RAMP_SHARE = 2 / 3
 PUSH_BATCH_BYTES = 512 << 10  # pushed chunks a receiver does not relay, packed into one message up to this
 PLAN_WAIT = 2.0  # seconds a relayed piece that came before this node's plan of its version waits for that plan
 
@@ -433,13 +436,15 @@ def push_copies(
     the slowest relayer its share to the n - c others: c = n U / (U + n u) makes the two take equally long. But a
     relay is a second hop on an idle path, in slow start again, and the origin's own lanes take at least
     ``ramp_time(update_bytes, slowest_rtt)`` (the slowest RTT it measured to a peer): as many copies as its uplink
-    sends in that time cost no time at all, so it sends at least those (every copy, on long paths: the 1.5B replay
-    at 14 samplers, 170 ms, 1 Gbit/s took 1.5 s with 11 copies and relays, 1.0 s with 14)."""
+    sends in ``RAMP_SHARE`` of that time cost next to nothing, so it sends at least those (every copy, on long paths:
+    the 1.5B replay at 14 samplers, 170 ms, 1 Gbit/s took 1.5 s with 11 copies and relays, 1.0 s with 14). Not all
+    of it: the ramp's last round trips carry most of the bytes, every lane at once (a 25 Mbit/s origin: 3 copies,
+    whose 0.63 s fit its 0.94 s ramp, beat 5, whose 1.05 s did not)."""
     if peers <= 1 or origin_uplink <= 0:
         return 1
     balanced = round(peers * origin_uplink / (origin_uplink + peers * relay_uplink))
     ramp = ramp_time(update_bytes, min(slowest_rtt, MAX_PATH_RTT))  # a peer delaying its pongs buys no more copies
-    free = int(ramp * origin_uplink / update_bytes) if update_bytes > 0 else 0
+    free = int(RAMP_SHARE * ramp * origin_uplink / update_bytes) if update_bytes > 0 else 0
     return max(1, min(peers, max(balanced, free)))
 
 
