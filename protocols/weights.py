@@ -74,6 +74,7 @@ manifest, as before.
 
 from __future__ import annotations
 
+import lzma
 import zlib
 from dataclasses import dataclass
 from functools import cached_property
@@ -388,15 +389,16 @@ class SignedManifest:
         return cls(body, s.blob(m, "sig", 256), s.blob(m, "key", 256))
 
 
-def inflate(data: bytes, limit: int) -> bytes:
-    """One complete zlib stream of at most ``limit`` bytes out (a bomb stops there)."""
-    d = zlib.decompressobj()
+def inflate(data: bytes, limit: int, codec: str = "zlib") -> bytes:
+    """One complete ``codec`` stream (``zlib``: RFC 1950; ``lzma``: the .xz container) of at most ``limit`` bytes
+    out (a bomb stops there): a manifest's ``zbody``, or a patch's streams (node/weights/patch.py)."""
+    d = zlib.decompressobj() if codec == "zlib" else lzma.LZMADecompressor()
     try:
         out = d.decompress(data, limit + 1)
-    except zlib.error as exc:
-        raise s.SchemaError(f"undecodable zlib stream: {exc}") from None
-    if len(out) > limit or not d.eof or d.unconsumed_tail or d.unused_data:
-        raise s.SchemaError(f"zlib stream inflates past {limit} bytes, or is truncated")
+    except (zlib.error, lzma.LZMAError) as exc:
+        raise s.SchemaError(f"undecodable {codec} stream: {exc}") from None
+    if len(out) > limit or not d.eof or getattr(d, "unconsumed_tail", b"") or d.unused_data:
+        raise s.SchemaError(f"{codec} stream inflates past {limit} bytes, or is truncated")
     return out
 
 

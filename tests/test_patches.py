@@ -25,7 +25,9 @@ from node.weights.patch import (
     PatchError,
     TensorMismatch,
     build_patch,
+    compressor,
     decode_indices,
+    decompress,
     leb128_decode,
     leb128_encode,
     unzigzag,
@@ -111,6 +113,20 @@ def test_varints_zigzag_and_index_modes_round_trip():
         leb128_decode(b"\x80\x80", 1)  # truncated
     with pytest.raises(PatchError):
         decode_indices(INDEX_GAPS, leb128_encode(np.array([100], dtype=np.uint64)), 1, 100)  # out of range
+
+
+def test_a_patch_stream_is_one_complete_stream_within_its_delta_bound():
+    for codec in w.PATCH_CODECS:
+        c = compressor(codec)
+        stream = c.compress(bytes(1000)) + c.flush()
+        assert decompress(codec, stream, 1000) == bytes(1000)
+        for bad in (stream[:-4], stream + b"x", b"junk" * 8):  # cut, trailing bytes, not the codec
+            with pytest.raises(PatchError, match=codec):
+                decompress(codec, bad, 1000)
+        with pytest.raises(PatchError, match="past 999"):  # more than its delta allows: a bomb stops there
+            decompress(codec, stream, 999)
+    with pytest.raises(PatchError, match="unknown"):
+        decompress("zstd", b"", 1)
 
 
 def test_every_element_width_patches_exactly(tmp_path):

@@ -29,13 +29,14 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from node.weights.hashes import digest, hash_weights, hasher
-from protocols.errors import ProtocolError
+from protocols.errors import ProtocolError, SchemaError
 from protocols.weights import (
     INDEX_BITMAP,
     INDEX_GAPS,
     PATCH_CODECS,
     Manifest,
     TensorDelta,
+    inflate,
 )
 from protocols.weights_file import LayoutError, TensorEntry, element_width, read_layout, read_span
 
@@ -212,14 +213,10 @@ def decompress(codec: str, data: bytes, limit: int) -> bytes:
     """At most ``limit`` bytes out of ``data`` (a bomb stops there), which must be one complete stream."""
     if codec not in PATCH_CODECS:
         raise PatchError(f"unknown patch codec {codec!r}")
-    d = zlib.decompressobj() if codec == "zlib" else lzma.LZMADecompressor()
     try:
-        out = d.decompress(data, limit + 1)
-    except (zlib.error, lzma.LZMAError) as exc:
-        raise PatchError(f"undecodable {codec} stream: {exc}") from None
-    if len(out) > limit or not d.eof or (codec == "zlib" and d.unconsumed_tail) or d.unused_data:
-        raise PatchError(f"{codec} stream is longer than its delta allows, or truncated")
-    return out
+        return inflate(data, limit, codec)
+    except SchemaError as exc:  # a patch's stream: what its delta allows, or truncated
+        raise PatchError(str(exc)) from None
 
 
 # -- one tensor -----------------------------------------------------------------------------------------------------
