@@ -27,7 +27,7 @@ from libp2p.peer.id import ID
 
 from node.libp2p.conns import path_rtt
 from node.ratelimit import PeerRateLimiter, ip_key, take_all
-from node.rpc import PEER_GONE, request, serve
+from node.rpc import PEER_GONE, open_stream, request, serve
 from node.weights import policy
 from node.weights.manifest import chunk_sizes
 from node.weights.store import ChunkStore
@@ -316,7 +316,7 @@ async def push_lane(
     sent = took = 0
     stream = None
     try:
-        stream = await host.new_stream(peer, [w.PUSH_PROTOCOL_ID])
+        stream = await open_stream(host, peer, w.PUSH_PROTOCOL_ID)
         async for message in messages:
             await write_message(stream, message, w.MAX_PUSH_FRAME)
             sent += 1

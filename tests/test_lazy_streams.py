@@ -1,0 +1,116 @@
+"""node/rpc.py ``open_stream``: a stream's protocol is proposed with its first message, not negotiated before it.
+
+py-libp2p's ``new_stream`` reads the listener's two multistream echoes before the caller may write: two round trips
+before a push or a request leaves (0.34 s to a peer 170 ms away). Real hosts on 127.0.0.1, stock listeners.
+"""
+
+from __future__ import annotations
+
+import multiaddr
+import pytest
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.host.exceptions import StreamFailure
+from libp2p.network.stream.net_stream import NetStream
+from libp2p.peer.peerinfo import PeerInfo
+from libp2p.utils import encode_delim
+
+from node.host import build_host
+from node.rpc import LazyStream, StreamPool, open_stream, request, serve
+
+LISTEN = multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")
+ECHO = "/swarmrl-test/echo/1"
+
+
+def info(host) -> PeerInfo:
+    return PeerInfo(host.get_id(), [a for a in host.get_addrs() if "127.0.0.1" in str(a)])
+
+
+async def echo(message, peer):
+    return {"v": 1, "t": "echo", "n": message["n"]}
+
+
+@pytest.mark.trio
+async def test_the_first_message_leaves_before_any_byte_is_read(monkeypatch):
+    events: list[tuple[object, str]] = []  # (the stream's remote peer, what it did)
+    stock_read, stock_write = NetStream.read, NetStream.write
+
+    async def read(self, n=None):
+        events.append((self.muxed_conn.peer_id, "read"))
+        return await stock_read(self, n)
+
+    async def write(self, data):
+        events.append((self.muxed_conn.peer_id, "write"))
+        return await stock_write(self, data)
+
+    a, b = build_host(create_new_key_pair()), build_host(create_new_key_pair())
+    with trio.fail_after(30):
+        async with a.run([LISTEN]), b.run([LISTEN]):
+            b.set_stream_handler(ECHO, serve("echo", echo, max_request=1024, max_reply=1024))
+            await a.connect(info(b))
+            monkeypatch.setattr(NetStream, "read", read)
+            monkeypatch.setattr(NetStream, "write", write)
+            pool = StreamPool()
+            reply = await request(a, b.get_id(), ECHO, {"v": 1, "t": "echo", "n": 1}, max_request=1024, max_reply=1024,
+                                  pool=pool)  # fmt: skip
+            client = [what for peer, what in events if peer == b.get_id()]  # a's side of its streams to b
+            assert reply["n"] == 1
+            again = await request(a, b.get_id(), ECHO, {"v": 1, "t": "echo", "n": 2}, max_request=1024, max_reply=1024,
+                                  pool=pool)  # fmt: skip
+            assert again["n"] == 2  # the kept stream, its echoes read once
+    # the client's proposal and its request went out before its first read; with py-libp2p's new_stream the
+    # client writes its header, then reads the echo, then writes the protocol, then reads again
+    first_read = client.index("read")
+    assert client[:first_read].count("write") >= 2, client
+
+
+@pytest.mark.trio
+async def test_a_peer_that_does_not_speak_the_protocol_fails_the_request_clearly():
+    a, b = build_host(create_new_key_pair()), build_host(create_new_key_pair())
+    with trio.fail_after(30):
+        async with a.run([LISTEN]), b.run([LISTEN]):
+            await a.connect(info(b))
+            with pytest.raises(StreamFailure, match=ECHO):
+                await request(a, b.get_id(), ECHO, {"v": 1, "t": "echo", "n": 1}, max_request=1024, max_reply=1024,
+                              pool=StreamPool())  # fmt: skip
+            # the connection survives a refused proposal: a protocol it speaks still works on it
+            b.set_stream_handler(ECHO, serve("echo", echo, max_request=1024, max_reply=1024))
+            stream = await open_stream(a, b.get_id(), ECHO)
+            assert isinstance(stream, LazyStream)
+
+
+class Scripted:
+    """A stream that reads out given bytes (a listener's answer)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    async def read(self, n=None):
+        n = len(self.data) if n is None else n
+        out, self.data = self.data[:n], self.data[n:]
+        return out
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize(
+    "answer, why",
+    [
+        (encode_delim(b"/multistream/1.0.0") + encode_delim(b"na"), "answered"),  # not spoken
+        (encode_delim(b"/multistream/1.0.0") + encode_delim(b"/other/1"), "answered"),  # another protocol
+        (encode_delim(b"/multistream/2.0.0") + encode_delim(ECHO.encode()), "answered"),  # another multistream
+        (b"\xff\xff\xff\x7f" + b"x" * 64, "no multistream answer"),  # an echo announcing 256 MiB: not read
+        (encode_delim(b"/multistream/1.0.0")[:5], "no multistream answer"),  # cut short
+    ],
+)
+async def test_a_listeners_bad_answer_is_a_clear_error_before_any_data(answer, why):
+    stream = LazyStream(Scripted(answer + b"data"), ECHO)  # type: ignore[arg-type]
+    with pytest.raises(StreamFailure, match=why):
+        await stream.read(4)
+
+
+@pytest.mark.trio
+async def test_a_good_answer_is_read_once_and_the_data_follows():
+    ok = encode_delim(b"/multistream/1.0.0") + encode_delim(ECHO.encode())
+    stream = LazyStream(Scripted(ok + b"datamore"), ECHO)  # type: ignore[arg-type]
+    assert await stream.read(4) == b"data"
+    assert await stream.read(4) == b"more"
