@@ -35,8 +35,10 @@ restarts slow start after an idle period, net.ipv4.tcp_slow_start_after_idle=0).
 (the trainer's ``origin_uplink_mbps``: it pushes each piece to several samplers, node/weights/policy.py
 ``push_copies``: here to all 14, its lanes to far samplers being in slow start longer than 14 copies take its
 uplink; ``--one-copy``: it is not, and pushes one copy of each). Per version: time from publication to the last
-sampler, against the ideal and 2 s, with the CPU share; appends to bench/results/wan.txt (the header names the
-commit that ran), plots bench/results/wan_replay.png and, over every replay recorded, wan_replay_n.png.
+sampler, against the ideal and 2 s, with the CPU share (the rounds start once the joined lab is at rest,
+``SETTLED``), then raw TCP's time for the same bytes on the same paths (bench/netlab/tcpfloor.py, the nodes
+stopped); appends to bench/results/wan.txt (the header names the commit that ran), plots
+bench/results/wan_replay.png and, over every replay recorded, wan_replay_n.png.
 
     sudo .venv/bin/python bench/wan.py [--samplers 12] [--origin-mbps 100] [--rounds 2]
     sudo .venv/bin/python bench/wan.py --delta [--samplers 6] [--layers 10 --hidden 512] [--link-scale 1]
@@ -74,7 +76,13 @@ from node.identity import load_or_create_key, peer_id_of
 from trainer.tiny_qwen2 import build_random_model
 
 console = Console()
-IDLE_WINDOW = 10.0  # seconds the lab's idle CPU is measured over (--replay)
+IDLE_WINDOW = 5.0  # seconds per window of the lab's idle CPU (--replay)
+# --replay's rounds start once the joined lab is at rest: an idle window at most this share of the box, or after
+# SETTLE_MAX s. Right after version 0 the 15 nodes' joining (DHT lookups, AutoNAT dial-backs, signed records)
+# held 72%, 41%, 27% of the box in the first 5 s windows, ~7% after 40 s (with bursts to 25% at DHT refreshes):
+# rounds started 10 s in measured the join, not a swarm whose samplers joined before the version came
+SETTLED = 0.15
+SETTLE_MAX = 90.0
 INTERNET_WINDOW = 2  # --replay's initial TCP window, in the lab's jumbo segments: ~10 x 1448 B (netlab/topology.py)
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -135,11 +143,14 @@ def run_lab(
     initcwnd: int | None = None,
     warm: bool = False,
     idle: list[float] | None = None,
+    floor: list[dict] | None = None,
 ) -> tuple[int, list[Round]]:
     """Start the lab (the origin publishing ``model`` as version 0, then ``samplers`` fetchers), let every sampler
     fetch version 0, then publish one version per entry of ``modes`` (written to ``<root>/mode`` first: ``naive``
     makes the fetchers ask the origin alone; with ``--delta`` in ``origin_args``, ``full`` ships the version whole)
-    and wait for every sampler to hold it. Returns (version 0's size in bytes, the rounds)."""
+    and wait for every sampler to hold it. With ``floor`` (a list), the nodes then stop and raw TCP moves the
+    counted rounds' median size through the same lab (``tcp_floor``), its rounds appended to ``floor``. Returns
+    (version 0's size in bytes, the rounds)."""
     lab = Lab(root / "lab", wan_links(), initcwnd=initcwnd, slow_start_after_idle=not warm)
     lab.add_host("origin", "na", origin_mbps, origin_mbps)
     names = [f"s{i}" for i in range(samplers)]
@@ -173,6 +184,7 @@ def run_lab(
         return sum(proc_cpu(p.pid) for p in procs)
 
     rounds: list[Round] = []
+    published_at: list[float] = []
     with lab:
         procs.append(lab.popen("origin", argv("origin", "origin"), root / "origin.log"))
         wait_for(lambda: status(root, "origin").get("version") == 0, 300, what="the origin's first version")
@@ -187,9 +199,13 @@ def run_lab(
         wait_for(lambda: all("0" in status(root, n).get("got", {}) for n in names), 900, what="version 0")
         progress.remove_task(warm)
         if idle is not None:  # what the lab costs with nothing to send: the share every round pays on top
-            cpu0, t0 = cpu_total(), time.time()
-            time.sleep(IDLE_WINDOW)
-            idle.append((cpu_total() - cpu0) / ((time.time() - t0) * (os.cpu_count() or 1)))
+            settle = progress.add_task("the joined lab settles", total=None)
+            start = time.time()
+            while not idle or (idle[-1] > SETTLED and time.time() - start < SETTLE_MAX):
+                cpu0, t0 = cpu_total(), time.time()
+                time.sleep(IDLE_WINDOW)
+                idle.append((cpu_total() - cpu0) / ((time.time() - t0) * (os.cpu_count() or 1)))
+            progress.remove_task(settle)
         bar = progress.add_task("rounds", total=len(modes))
         for version, mode in enumerate(modes, start=1):
             progress.update(bar, description=f"round {version}/{len(modes)}: {mode}")
@@ -206,6 +222,7 @@ def run_lab(
             time.sleep(1.0)  # let the origin's status catch up with its upload counter
             cpu_share = (cpu_total() - cpu0) / ((time.time() - t0) * (os.cpu_count() or 1))
             published = json.loads((root / "published.json").read_text())[str(version)]
+            published_at.append(published["time"])
             arrivals = sorted(status(root, n)["got"][str(version)] - published["time"] for n in names)
             uploaded = status(root, "origin").get("bytes_uploaded", 0) - up0
             phases = []
@@ -221,7 +238,53 @@ def run_lab(
                 f"{arrivals[-1]:.2f} s, median {statistics.median(arrivals):.2f} s"
             )
             progress.advance(bar)
+        if floor is not None:
+            for proc in procs:
+                proc.terminate()
+            for proc in procs:
+                proc.wait()
+            gaps = [b - (a + r.t_all) for a, b, r in zip(published_at, published_at[1:], rounds, strict=False)]
+            counted = [r.size for r in rounds if r.mode == "patch"] or [size]
+            floor += tcp_floor(lab, root, names, int(statistics.median(counted)), statistics.median(gaps or [2.0]))
     return size, rounds
+
+
+FLOOR_PORT = 4100
+FLOOR_ROUNDS = 3  # per kind: every sampler at once, the farthest alone
+
+
+def tcp_floor(lab: Lab, root: Path, names: list[str], size: int, gap: float) -> list[dict]:
+    """Raw TCP in the lab (bench/netlab/tcpfloor.py): ``size`` bytes from the origin to every sampler at once, and to
+    the farthest sampler (the first in asia) alone, each round after ``gap`` s idle as between the product's
+    versions, one uncounted round first. Returns per round {"kind", "t_all" (s to the last receiver's last byte)}."""
+    script = [sys.executable, "-P", str(Path(__file__).resolve().parent / "netlab" / "tcpfloor.py")]
+    far = next((i for i, _ in enumerate(names) if REGIONS[i % len(REGIONS)] == "asia"), len(names) - 1)
+    specs = [f"all:{size}"] + [f"all:{size}"] * FLOOR_ROUNDS + [f"one{far}:{size}"] * FLOOR_ROUNDS
+    kinds = ["warmup"] + ["all"] * FLOOR_ROUNDS + ["farthest"] * FLOOR_ROUNDS
+    for name in names:
+        lab.popen(name, [*script, "recv", "--port", str(FLOOR_PORT)], root / f"floor-{name}.log")
+    targets = [f"{lab.hosts[n].ip}:{FLOOR_PORT}" for n in names]
+    sent = lab.run("origin", [*script, "send", "--to", *targets, "--rounds", *specs, "--gap", f"{gap:.3f}"], 600)
+    if sent.returncode != 0:
+        raise RuntimeError(f"tcpfloor send failed: {sent.stderr.strip()[-500:]}")
+    starts = [json.loads(line) for line in sent.stdout.splitlines() if line.strip()]
+    wait_for(lambda: all(len(_floor_lines(root, n)) >= sum(i in s["to"] for s in starts) for i, n in
+                         enumerate(names)), 60, 0.2, what="raw TCP's last round")  # fmt: skip
+    got = {i: {d["round"]: d["t"] for d in _floor_lines(root, n)} for i, n in enumerate(names)}
+    out = []
+    for s, kind in zip(starts, kinds, strict=True):
+        # a receiver numbers the rounds it took part in; the sender's round k is its n-th
+        arrivals = [got[i][sum(i in p["to"] for p in starts[: s["round"]])] for i in s["to"]]
+        out.append({"kind": kind, "t_all": max(arrivals) - s["t0"]})
+    return out
+
+
+def _floor_lines(root: Path, name: str) -> list[dict]:
+    try:
+        text = (root / f"floor-{name}.log").read_text()
+    except OSError:
+        return []
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
 
 
 def main() -> int:
@@ -333,10 +396,11 @@ def replay(args: argparse.Namespace) -> int:
         shutil.copy(args.replay / "origin.key", root / "origin" / "identity.key")  # the versions' signer
         fetch = ("--seed", str(args.replay), "--encoding", "int8-grid", "--deliver-only")
         idle: list[float] = []
+        floor: list[dict] = []
         _, rounds = run_lab(
             root, None, args.samplers, args.origin_mbps, args.link_scale, modes, progress,
             ("--replay", str(args.replay), "--uplink-mbps", str(0 if args.one_copy else args.origin_mbps)), fetch,
-            profile, None if args.jumbo_window else INTERNET_WINDOW, args.warm, idle,
+            profile, None if args.jumbo_window else INTERNET_WINDOW, args.warm, idle, floor,
         )  # fmt: skip
     counted = [r for r in rounds if r.mode == "patch"]
     rtt = slowest_rtt(args.samplers)
@@ -368,9 +432,11 @@ def replay(args: argparse.Namespace) -> int:
             f"time to the last sampler: median {statistics.median(r.t_all for r in counted):.2f} s, worst "
             f"{max(r.t_all for r in counted):.2f} s; within 2 s: {within2}/{len(counted)}; within 1.5x ideal: "
             f"{within15}/{len(counted)}; within ideal + 3 RTT: {within3}/{len(counted)}; CPU share median "
-            f"{statistics.median(r.cpu_share for r in counted):.0%} (idle lab: {idle[0]:.0%}); CPU-s per node and "
+            f"{statistics.median(r.cpu_share for r in counted):.0%} (idle lab: {idle[-1]:.0%}, settled "
+            f"{len(idle) * IDLE_WINDOW:.0f} s from {idle[0]:.0%}); CPU-s per node and "
             f"version median {statistics.median(r.cpu_seconds for r in counted) / (args.samplers + 1):.2f}",
             f"  median over samplers and versions: {phase_line(counted)}",
+            floor_line(floor, statistics.median(r.t_all for r in counted), statistics.median(ideals), rtt),
         ]
     for line in lines:
         console.print(line)
@@ -384,6 +450,21 @@ def replay(args: argparse.Namespace) -> int:
         plot(counted, ideal, RESULTS / "wan_replay.png", title, target=ideal + 3 * rtt)
         summarize_replays(RESULTS / "wan.txt", RESULTS / "wan_replay_n.png", ideal, ideal + 3 * rtt)
     return 0
+
+
+def floor_line(floor: list[dict], ours: float, ideal: float, rtt: float) -> str:
+    """Raw TCP's rounds in the same lab against ours and the targets: the floor the links and TCP set."""
+    every = sorted(f["t_all"] for f in floor if f["kind"] == "all")
+    far = sorted(f["t_all"] for f in floor if f["kind"] == "farthest")
+    if not every:
+        return "raw TCP floor: not measured"
+    return (
+        f"raw TCP in the same lab (nodes stopped, idle connections, the same gap): the median version's bytes to every "
+        f"sampler at once {statistics.median(every):.2f} s (rounds {' '.join(f'{t:.2f}' for t in every)}), to the "
+        f"first asia sampler alone {statistics.median(far):.2f} s ({' '.join(f'{t:.2f}' for t in far)}); ours / raw "
+        f"TCP to all = {ours / statistics.median(every):.2f}x; ideal + 3 RTT {ideal + 3 * rtt:.2f} s is "
+        f"{(ideal + 3 * rtt) / statistics.median(every):.2f}x raw TCP's"
+    )
 
 
 def code_version() -> str:
@@ -404,7 +485,7 @@ REPLAY_HEAD = re.compile(
     r"(the origin knows its uplink|the origin pushes one copy of each piece); initial TCP window ~10 x 1448 B"
     r"(?:; code (\S+))?$"
 )
-REPLAY_TIME = re.compile(r"^time to the last sampler: median ([\d.]+) s, .*\(idle lab: (\d+)%\)")
+REPLAY_TIME = re.compile(r"^time to the last sampler: median ([\d.]+) s, .*\(idle lab: (\d+)%[,)]")
 
 
 def summarize_replays(results: Path, png: Path, ideal: float, target: float) -> None:
