@@ -419,8 +419,9 @@ def push_source_ok(sender: P, origin: P, first_holder: P | None) -> bool:
 
 
 def ramp_time(nbytes: int, rtt: float) -> float:
-    """Seconds a TCP path of round trip ``rtt`` that was idle (slow start from ``INITIAL_WINDOW``, doubling each round
-    trip) needs to carry ``nbytes``, whatever its bandwidth: log2(nbytes / INITIAL_WINDOW + 1) round trips."""
+    """Seconds a TCP path of round trip ``rtt`` in slow start (fresh, or one that carried little: from
+    ``INITIAL_WINDOW``, doubling each round trip) needs to carry ``nbytes``, whatever its bandwidth:
+    log2(nbytes / INITIAL_WINDOW + 1) round trips."""
     return rtt * math.log2(max(0, nbytes) / INITIAL_WINDOW + 1)
 
 
@@ -434,12 +435,13 @@ def push_copies(
     """How many samplers the origin sends each pushed piece to itself (``PushPlan.copies``), given its uplink and
     a relayer's (bytes/s; 0: the origin's is unknown, so one copy). With c copies the origin uploads c updates and
     the slowest relayer its share to the n - c others: c = n U / (U + n u) makes the two take equally long. But a
-    relay is a second hop on an idle path, in slow start again, and the origin's own lanes take at least
-    ``ramp_time(update_bytes, slowest_rtt)`` (the slowest RTT it measured to a peer): as many copies as its uplink
-    sends in ``RAMP_SHARE`` of that time cost next to nothing, so it sends at least those (every copy, on long paths:
-    the 1.5B replay at 14 samplers, 170 ms, 1 Gbit/s took 1.5 s with 11 copies and relays, 1.0 s with 14). Not all
-    of it: the ramp's last round trips carry most of the bytes, every lane at once (a 25 Mbit/s origin: 3 copies,
-    whose 0.63 s fit its 0.94 s ramp, beat 5, whose 1.05 s did not)."""
+    relay is a second hop on a path between samplers, which carries little else and so is in slow start, each share
+    ``ramp_time`` away on the slowest RTT the origin measured; the origin's lanes carried the last version and keep
+    their window (raw TCP in bench/wan's lab: 3.2 MB to a peer 170 ms away in 0.21 s after 0.5-6 s idle, 1.4-1.6 s
+    on a fresh connection). So the origin sends at least as many copies as its uplink sends in ``RAMP_SHARE`` of
+    ``ramp_time(update_bytes, slowest_rtt)`` (every copy, on long paths: the 1.5B replay at 14 samplers, 170 ms,
+    1 Gbit/s took 1.5 s with 11 copies and relays, 1.0 s with 14). Not all of it: every lane shares the uplink (a
+    25 Mbit/s origin: 3 copies, whose 0.63 s fit 2/3 of its 0.94 s ramp, beat 5, whose 1.05 s did not)."""
     if peers <= 1 or origin_uplink <= 0:
         return 1
     balanced = round(peers * origin_uplink / (origin_uplink + peers * relay_uplink))
