@@ -22,6 +22,7 @@ import base64
 import hashlib
 import logging
 import os
+import random
 from collections.abc import Awaitable, Callable, Collection, Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol, TypeVar
@@ -93,19 +94,26 @@ def role_cid(swarm_name: str, role: str) -> str:
 
 PROVIDE_CAP = 20  # x interval: the longest between re-provides of a settled record (10 min at the default 30 s)
 PROVIDE_SPREAD = 2  # x interval: a node's first DHT provide comes at a point of [0, this) when a trusted peer took it
+PROVIDE_JITTER = 0.5  # each wait between provides is stretched by a factor in [1 - this / 2, 1 + this / 2)
 
 
-def next_provide(interval: float, provided: int, failed: int = 0) -> float:
+def next_provide(interval: float, provided: int, failed: int = 0, point: float = 0.5) -> float:
     """Seconds until the next re-provide after ``provided`` provides in a row reached some peer, or ``failed`` in a
     row reached none. Each provide is a DHT walk plus ADD_PROVIDER streams to the k = 20 closest peers: every
     host doing that every 30 s was, with the lookups, a large part of a sampler's upkeep at N = 32-64
     (bench/swarm_scale). Records live 48 h in py-libp2p (go-libp2p re-provides every 22 h); re-providing often
     matters while the swarm is young and its closest peers to a key still change, so the interval doubles from
     ``interval`` up to ``PROVIDE_CAP`` x. A failed provide is retried after 2 s, doubling up to ``interval``: a
-    provide fails when the swarm is too busy to answer, and retrying it every 2 s added to that load."""
+    provide fails when the swarm is too busy to answer, and retrying it every 2 s added to that load.
+
+    ``point`` (in [0, 1), drawn afresh for each wait) stretches the wait by up to ``PROVIDE_JITTER`` / 2 either
+    way: nodes that joined together (a join wave, a lab) otherwise re-provide together for ever, and in bench/wan's
+    lab each such burst of 15 DHT walks slowed the version it met by ~0.3 s."""
     if provided <= 0:
-        return min(interval, 2.0 * 2 ** min(max(failed, 1) - 1, 16))
-    return min(PROVIDE_CAP * interval, interval * 2 ** min(provided - 1, 16))
+        base = min(interval, 2.0 * 2 ** min(max(failed, 1) - 1, 16))
+    else:
+        base = min(PROVIDE_CAP * interval, interval * 2 ** min(provided - 1, 16))
+    return base * (1.0 + PROVIDE_JITTER * (min(max(point, 0.0), 1.0) - 0.5))
 
 
 def first_dht_provide(trusted_took: int, interval: float, point: float) -> float:
@@ -148,7 +156,7 @@ async def provide_forever(swarm: DhtNode, key: str, interval: float) -> None:
             log.debug("provide %s (%s) failed: %s", key, cid, exc)
             ok = False
         provided, failed = (provided + 1, 0) if ok else (0, failed + 1)
-        await trio.sleep(next_provide(interval, provided, failed))
+        await trio.sleep(next_provide(interval, provided, failed, random.random()))
         await _provide_to_trusted(swarm, cid)
 
 

@@ -92,6 +92,28 @@ def test_a_provide_that_keeps_failing_is_retried_ever_less_often_up_to_the_inter
     assert waits == [2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0]
 
 
+def test_each_wait_between_provides_is_jittered_so_a_join_wave_does_not_re_provide_together():
+    import random
+
+    lo, mid, hi = (discovery.next_provide(30.0, 3, point=p) for p in (0.0, 0.5, 0.999999))
+    assert mid == 120.0 and lo == 120.0 * (1 - discovery.PROVIDE_JITTER / 2)
+    assert 120.0 < hi < 120.0 * (1 + discovery.PROVIDE_JITTER / 2)
+    assert discovery.next_provide(30.0, 0, 2, point=0.0) == 4.0 * (1 - discovery.PROVIDE_JITTER / 2)  # retries too
+    assert discovery.next_provide(30.0, 3, point=7.0) == discovery.next_provide(30.0, 3, point=1.0)  # clamped
+    # 15 nodes that provided first within 6 s of each other (bench/wan's lab, interval 3 s): their 6th provide,
+    # ~1.5 min on, spreads over more than 20 s instead of staying within those 6 s
+    rng = random.Random(1)
+    times = []
+    for start in (rng.uniform(0, 6) for _ in range(15)):
+        t = start
+        for provided in range(1, 6):
+            t += discovery.next_provide(3.0, provided, point=rng.random())
+        times.append(t)
+    assert max(times) - min(times) > 20.0
+    unjittered = [start + sum(discovery.next_provide(3.0, k) for k in range(1, 6)) for start in (0.0, 6.0)]
+    assert unjittered[1] - unjittered[0] == 6.0
+
+
 def test_the_mesh_is_settled_when_full_or_when_every_listed_sampler_is_connected_or_gone():
     listed = ["me", "a", "b", "c"]
     assert discovery.mesh_settled(listed, "me", {"a", "b", "c"}, {}, have=3)
