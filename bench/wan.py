@@ -481,7 +481,7 @@ def code_version() -> str:
 
 
 REPLAY_HEAD = re.compile(
-    r"^## (\d{4}-\d{2}-\d{2}) .*bench/wan --replay: .*?, (\d+) samplers in .*?; "
+    r"^## (\d{4}-\d{2}-\d{2}) .*bench/wan --replay: .*?, (\d+) samplers in .*?access homes x1 .*?; "
     r"(the origin knows its uplink|the origin pushes one copy of each piece); initial TCP window ~10 x 1448 B"
     r"(?:; code (\S+))?$"
 )
