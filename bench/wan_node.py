@@ -42,7 +42,7 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 
 from node.config import NodeConfig
-from node.discovery import find_role, provide_forever, role_key
+from node.discovery import find_role, next_look, provide_forever, role_key
 from node.host import Swarm
 from node.runtime import run_node
 from node.settings import WeightSettings, load_config_file
@@ -287,13 +287,19 @@ class Fetcher:
             nursery.start_soon(self.sync.run)
             key = role_key(self.config.swarm, "sampler")
             nursery.start_soon(provide_forever, swarm, key, 3.0)
-            while True:
-                for info in await find_role(swarm, key):
+            known: set[ID] = set()
+            quiet = 0
+            while True:  # the product's sampler cadence: looks slow down while they teach nothing (next_look)
+                found = await find_role(swarm, key)
+                for info in found:
                     try:
                         await swarm.connect(info)
                     except Exception:
                         pass
-                await trio.sleep(2.0)
+                new = {info.peer_id for info in found} - known
+                known |= new
+                quiet = 0 if new else quiet + 1
+                await trio.sleep(next_look(2.0, quiet))
 
     def status(self) -> dict[str, Any]:
         return {
