@@ -382,6 +382,25 @@ async def test_the_read_loop_notes_when_it_last_read_and_stock_does_not():
         assert 0 < first <= before <= last
 
 
+async def test_the_path_rtt_is_the_kernels_from_the_handshake_on_not_the_first_ping():
+    """What the origin's push_copies weighs (node/libp2p/conns.py ``path_rtt``): known as soon as a connection is
+    up, and not moved by a keepalive pong answered late."""
+    from node.host import open_swarm
+    from node.libp2p.conns import kernel_min_rtt, path_rtt
+
+    with trio.fail_after(30):
+        async with open_swarm(create_new_key_pair(), LISTEN) as a, open_swarm(create_new_key_pair(), LISTEN) as b:
+            await a.connect(PeerInfo(b.peer_id, b.addrs()))
+            network = a.host.get_network()
+            conn = network.get_connections(b.peer_id)[0]
+            assert conn.muxed_conn.rtt() == 0.0  # yamux's first ping goes out 0.5 s after the start
+            kernel = kernel_min_rtt(conn)
+            assert 0 < kernel < 0.05  # loopback: microseconds
+            assert path_rtt(network, b.peer_id) == kernel
+            conn.muxed_conn._rtt = 0.9  # a late pong averaged in: the kernel's minimum stands
+            assert path_rtt(network, b.peer_id) <= kernel_min_rtt(conn) < 0.05
+
+
 # -- 5. TCP and circuit addresses -----------------------------------------------------------------------------------
 
 

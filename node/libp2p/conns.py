@@ -21,13 +21,17 @@
   pong; this reads when the last ping went out and whether it was answered. ``last_read``: when the connection's
   read loop last read from it (stamped by patches.py's read loop).
 - ``is_inbound``, ``remote_ip``: a connection's direction and the IP of its transport's remote end.
-- ``path_rtt``: the round trip yamux's keepalive measured to a peer (its ping's pong, smoothed).
+- ``path_rtt``: the round trip to a peer: the kernel's smallest on the TCP connection under it (Linux's
+  ``TCP_INFO`` on the socket under Noise's packet reader and the raw connection: ``kernel_min_rtt``), else
+  what yamux's keepalive measured (its ping's pong, smoothed).
 """
 
 from __future__ import annotations
 
 import ipaddress
 import logging
+import socket
+import struct
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -207,13 +211,37 @@ def ping_state(conn: INetConn) -> tuple[float, bool]:
     return sent_at, event.is_set()
 
 
+# Linux's struct tcp_info (linux/tcp.h): tcpi_min_rtt, in microseconds, at byte 148 (since 4.6)
+TCPI_MIN_RTT = 148
+TCP_INFO_LEN = 152
+
+
+def kernel_min_rtt(conn: INetConn) -> float:
+    """Seconds: the smallest round trip the kernel measured on the TCP connection under ``conn`` (every ACK
+    since the handshake; 0 where it cannot say: another OS, a relayed circuit)."""
+    try:
+        noise = conn.muxed_conn.secured_conn.conn  # type: ignore[attr-defined]
+        sock = noise.read_writer.read_write_closer.stream.stream.socket
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_LEN)
+    except Exception:
+        return 0.0
+    if len(info) < TCPI_MIN_RTT + 4:
+        return 0.0
+    return struct.unpack_from("I", info, TCPI_MIN_RTT)[0] / 1e6
+
+
 def path_rtt(network: INetwork, peer: ID) -> float:
-    """Seconds: the smallest round trip the keepalive measured on a connection to ``peer`` (0: none measured yet;
-    the first ping goes out 0.5 s after a connection starts). Measured here, so a peer can only make it longer."""
+    """Seconds: the smallest round trip to ``peer`` over its connections (0: none measured yet). The kernel's
+    (from the handshake on, every ACK, the path's own delay) where it says, else yamux keepalive's (the first
+    ping goes out 0.5 s after a connection starts, then one every 30 s, each averaged into the last: one ping
+    answered late on a busy box moved it for a minute, and with it the origin's copies, 3 to 5 from one version
+    to the next in bench/wan's small case). Measured here, so a peer can only make it longer."""
     rtts = []
     for conn in network.get_connections(peer):
-        rtt = getattr(conn.muxed_conn, "rtt", None)
-        value = rtt() if callable(rtt) else 0.0
+        value = kernel_min_rtt(conn)
+        if value <= 0:
+            rtt = getattr(conn.muxed_conn, "rtt", None)
+            value = rtt() if callable(rtt) else 0.0
         if isinstance(value, float) and value > 0:
             rtts.append(value)
     return min(rtts, default=0.0)

@@ -572,6 +572,11 @@ INTERNALS: tuple[tuple[str, str], ...] = (
     ("Swarm._inbound_limiter, .common_stream_handler", "conns.attach_admission, conns.cap_unnegotiated"),
     ("Yamux._ping_sent_time, ._ping_event", "conns.ping_state: node/connmgr.py closes connections gone silent"),
     ("Yamux.secured_conn.read", "_stamp_reads: conns.last_read, when the read loop last read from the connection"),
+    (
+        "SecureSession.conn, NoiseTransportReadWriter.read_writer, .read_write_closer, RawConnection.stream, "
+        "TrioTCPStream.stream",
+        "conns.kernel_min_rtt: the TCP socket under a connection, for its RTT",
+    ),
     ("DCUtRProtocol._try_unilateral_upgrade, ._perform_hole_punch", "nat.HolePuncher: reports outcomes"),
 )
 # the classes those overrides and reads belong to (a rename upstream fails an import here, not at run time)

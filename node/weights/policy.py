@@ -438,15 +438,16 @@ def push_copies(
     relay is a second hop on a path between samplers, which carries little else and so is in slow start, each share
     ``ramp_time`` away on the slowest RTT the origin measured; the origin's lanes carried the last version and keep
     their window (raw TCP in bench/wan's lab: 3.2 MB to a peer 170 ms away in 0.21 s after 0.5-6 s idle, 1.4-1.6 s
-    on a fresh connection). So the origin sends at least as many copies as its uplink sends in ``RAMP_SHARE`` of
-    ``ramp_time(update_bytes, slowest_rtt)`` (every copy, on long paths: the 1.5B replay at 14 samplers, 170 ms,
+    on a fresh connection). So the origin sends at least as many copies as its uplink sends (rounded) in
+    ``RAMP_SHARE`` of ``ramp_time(update_bytes, slowest_rtt)``, the RTT being the kernel's smallest where it says
+    (conns.path_rtt) (every copy, on long paths: the 1.5B replay at 14 samplers, 170 ms,
     1 Gbit/s took 1.5 s with 11 copies and relays, 1.0 s with 14). Not all of it: every lane shares the uplink (a
     25 Mbit/s origin: 3 copies, whose 0.63 s fit 2/3 of its 0.94 s ramp, beat 5, whose 1.05 s did not)."""
     if peers <= 1 or origin_uplink <= 0:
         return 1
     balanced = round(peers * origin_uplink / (origin_uplink + peers * relay_uplink))
     ramp = ramp_time(update_bytes, min(slowest_rtt, MAX_PATH_RTT))  # a peer delaying its pongs buys no more copies
-    free = int(RAMP_SHARE * ramp * origin_uplink / update_bytes) if update_bytes > 0 else 0
+    free = round(RAMP_SHARE * ramp * origin_uplink / update_bytes) if update_bytes > 0 else 0
     return max(1, min(peers, max(balanced, free)))
 
 
