@@ -331,11 +331,13 @@ def main() -> int:
     with TemporaryDirectory(prefix="swarmrl-wan-") as tmp, Progress(console=console) as progress:
         root = Path(tmp)
         model = build_random_model(root / "model", layers=args.layers, hidden=args.hidden)
+        idle: list[float] = []  # --delta: its rounds, like --replay's, start once the joined lab is at rest
         size, rounds = run_lab(
-            root, model, args.samplers, args.origin_mbps, args.link_scale, modes, progress, origin_args
-        )
+            root, model, args.samplers, args.origin_mbps, args.link_scale, modes, progress, origin_args,
+            idle=idle if args.delta else None,
+        )  # fmt: skip
     if args.delta:
-        report_delta(rounds, args)
+        report_delta(rounds, args, idle)
         return 0
     n, s = args.samplers, size
     ideal = ideal_time(s, n, args.origin_mbps, args.link_scale)
@@ -574,7 +576,7 @@ def phase_line(rounds: list[Round]) -> str:
     return ", ".join(f"{k} {statistics.median(v):.2f} s" for k, v in cuts.items() if v) or "no phases recorded"
 
 
-def report_delta(rounds: list[Round], args: argparse.Namespace) -> None:
+def report_delta(rounds: list[Round], args: argparse.Namespace, idle: list[float]) -> None:
     lines = delta_lines(rounds, args.samplers, args.origin_mbps, args.link_scale)
     for line in lines:
         console.print(line)
@@ -586,8 +588,10 @@ def report_delta(rounds: list[Round], args: argparse.Namespace) -> None:
         f"Mbit/s, access links x{args.link_scale:g}, lr {args.delta_lr:g}, {args.layers} layers x {args.hidden}, "
         f"{args.rounds} rounds per mode (nice 19 on a shared 2-core box: see the CPU share); "
         + ("the origin pushes one copy of each piece" if args.one_copy else "the origin knows its uplink")
+        + (f"; rounds after the lab settled ({len(idle) * IDLE_WINDOW:.0f} s, idle {idle[0]:.0%} -> {idle[-1]:.0%})"
+           if idle else "")
         + f"; code {code_version()}\n"
-    )
+    )  # fmt: skip
     RESULTS.mkdir(exist_ok=True)
     with open(RESULTS / "wan.txt", "a") as fh:
         fh.write(head + "\n".join(lines) + "\n")
