@@ -107,8 +107,8 @@ def next_provide(interval: float, provided: int, failed: int = 0, point: float =
     provide fails when the swarm is too busy to answer, and retrying it every 2 s added to that load.
 
     ``point`` (in [0, 1), drawn afresh for each wait) stretches the wait by up to ``PROVIDE_JITTER`` / 2 either
-    way: nodes that joined together (a join wave, a lab) otherwise re-provide together for ever, and in bench/wan's
-    lab each such burst of 15 DHT walks slowed the version it met by ~0.3 s."""
+    way: nodes that joined together (a join wave, a lab) otherwise re-provide together for ever (in bench/wan's lab,
+    15 DHT walks with their ADD_PROVIDER streams in one burst a minute, over the versions going out then)."""
     if provided <= 0:
         base = min(interval, 2.0 * 2 ** min(max(failed, 1) - 1, 16))
     else:
