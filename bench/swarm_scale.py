@@ -405,6 +405,7 @@ def samplers_main(args: argparse.Namespace) -> None:
                     "strikes": role.strikes, "rate_limited": role.rate_limited, "last_error": role.last_error,
                     "connections": len(swarms[name].host.get_connected_peers()) if name in swarms else 0,
                     "gossip": swarms[name].gossip.delivered if name in swarms else 0,
+                    "conn_counts": dict(swarms[name].conns.counts) if name in swarms else {},
                 }  # fmt: skip
             write_json(root / f"procs-{args.first}.json", {
                 "time": time.time(), "cpu": sum(os.times()[:2]), "rss_mb": proc_rss_mb(os.getpid()),
@@ -654,6 +655,8 @@ def measure(run: Run, window: float) -> dict[str, Any]:
         "trainer_peers": t_b["peers"],
         "trainer_rss_mb": t_b["rss_mb"],
         "conn_counts": t_b["conn_counts"],
+        # what the samplers' connection managers closed, and why, over the whole run (dead: no pong and nothing heard)
+        "sampler_conn_counts": dict(sum((Counter(s.get("conn_counts", {})) for s in s_b.values()), Counter())),
         "sampler_connections_mean": statistics.fmean([s["connections"] for s in live]) if live else 0,
         # gossip messages each sampler's handlers got per second (announcements: the trainer's, and every sampler's
         # on installing a version): on one box the N hosts pay N times this
@@ -764,7 +767,8 @@ def report_line(r: dict[str, Any]) -> str:
         f"p50/p99 {join('join_to_trainer_s', 0.5):.1f}/{join('join_to_trainer_s', 0.99):.1f} s | leases busy "
         f"{r['leases_busy']} of {r['leases_busy'] + r['leases_issued']}, rate-limited {r['rate_limited']}, "
         f"rejected {r['rejected']}, forged {r['forged']}, strikes {r['strikes']} | dead {r['dead']} "
-        f"join errors {r['join_errors']} errors {r['errors'][:3]}"
+        f"join errors {r['join_errors']} errors {r['errors'][:3]} | samplers' connection managers "
+        f"{r['sampler_conn_counts']}"
     )
 
 

@@ -207,7 +207,9 @@ def pong_overdue(sent_at: float, answered: bool, now: float, timeout: float, las
     read from the connection since it went out (``last_read``): a peer whose bytes keep coming is there, its pong
     late or lost (a busy loop at either end; a pong dropped from a full control queue). At N = 128 on one box the
     pong alone closed ~700 live connections in 7 minutes, the trainer's among them, and each came back as a new
-    handshake, identify and lookup on loops already behind."""
+    handshake, identify and lookup on loops already behind. ``last_read`` is the later of this process's last read
+    and the kernel's last received byte (``conns.kernel_last_data``): a loop starved for 45 s has not read what
+    came, and its keepalive check may run before its read loop does."""
     return sent_at > 0 and not answered and now - sent_at > timeout and last_read <= sent_at
 
 
@@ -370,7 +372,8 @@ class ConnManager(INotifee):
                 sent_at, answered = mech.ping_state(conn)
                 if id(conn) in self._closing:
                     continue
-                if pong_overdue(sent_at, answered, now, self.limits.keepalive_timeout, mech.last_read(conn)):
+                heard = max(mech.last_read(conn), mech.kernel_last_data(conn, now))  # read, or waiting to be
+                if pong_overdue(sent_at, answered, now, self.limits.keepalive_timeout, heard):
                     self.counts["dead"] += 1
                     log.info("closing %s: no pong for %.0f s", conn.muxed_conn.peer_id, now - sent_at)
                     self._closing.add(id(conn))

@@ -401,6 +401,26 @@ async def test_the_path_rtt_is_the_kernels_from_the_handshake_on_not_the_first_p
             assert path_rtt(network, b.peer_id) <= kernel_min_rtt(conn) < 0.05
 
 
+async def test_the_kernel_says_when_a_peers_bytes_last_came_read_or_not():
+    """What the keepalive asks besides our read loop (node/connmgr.py): a loop starved past the timeout has not read
+    the pong waiting in its socket, but the kernel received it (tcpi_last_data_recv counts arrival, not reads)."""
+    from node.discovery import role_cid
+    from node.host import open_swarm
+    from node.libp2p import providers_from_peer
+    from node.libp2p.conns import kernel_last_data
+
+    with trio.fail_after(30):
+        async with open_swarm(create_new_key_pair(), LISTEN) as a, open_swarm(create_new_key_pair(), LISTEN) as b:
+            await a.connect(PeerInfo(b.peer_id, b.addrs()))
+            conn = a.host.get_network().get_connections(b.peer_id)[0]
+            await trio.sleep(0.7)  # past yamux's first ping (0.5 s in); the next is 30 s away
+            await providers_from_peer(a.dht, b.peer_id, role_cid("test", "trainer"))  # b's answer came just now
+            assert abs(kernel_last_data(conn, trio.current_time()) - trio.current_time()) < 0.1
+            await trio.sleep(0.4)  # nothing from b meanwhile
+            now = trio.current_time()
+            assert 0.25 < now - kernel_last_data(conn, now) < 0.6
+
+
 # -- 5. TCP and circuit addresses -----------------------------------------------------------------------------------
 
 

@@ -23,7 +23,8 @@
 - ``is_inbound``, ``remote_ip``: a connection's direction and the IP of its transport's remote end.
 - ``path_rtt``: the round trip to a peer: the kernel's smallest on the TCP connection under it (Linux's
   ``TCP_INFO`` on the socket under Noise's packet reader and the raw connection: ``kernel_min_rtt``), else
-  what yamux's keepalive measured (its ping's pong, smoothed).
+  what yamux's keepalive measured (its ping's pong, smoothed). ``kernel_last_data``: when the kernel last received
+  data on it, read or not.
 """
 
 from __future__ import annotations
@@ -211,23 +212,39 @@ def ping_state(conn: INetConn) -> tuple[float, bool]:
     return sent_at, event.is_set()
 
 
-# Linux's struct tcp_info (linux/tcp.h): tcpi_min_rtt, in microseconds, at byte 148 (since 4.6)
+# Linux's struct tcp_info (linux/tcp.h): tcpi_last_data_recv (ms ago) at byte 52, tcpi_min_rtt (us) at 148 (4.6+)
+TCPI_LAST_DATA_RECV = 52
 TCPI_MIN_RTT = 148
 TCP_INFO_LEN = 152
+
+
+def _tcp_info(conn: INetConn) -> bytes:
+    """The kernel's struct tcp_info of the TCP socket under ``conn`` (b"": another OS, a relayed circuit)."""
+    try:
+        noise = conn.muxed_conn.secured_conn.conn  # type: ignore[attr-defined]
+        sock = noise.read_writer.read_write_closer.stream.stream.socket
+        return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_LEN)
+    except Exception:
+        return b""
 
 
 def kernel_min_rtt(conn: INetConn) -> float:
     """Seconds: the smallest round trip the kernel measured on the TCP connection under ``conn`` (every ACK
     since the handshake; 0 where it cannot say: another OS, a relayed circuit)."""
-    try:
-        noise = conn.muxed_conn.secured_conn.conn  # type: ignore[attr-defined]
-        sock = noise.read_writer.read_write_closer.stream.stream.socket
-        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_LEN)
-    except Exception:
-        return 0.0
+    info = _tcp_info(conn)
     if len(info) < TCPI_MIN_RTT + 4:
         return 0.0
     return struct.unpack_from("I", info, TCPI_MIN_RTT)[0] / 1e6
+
+
+def kernel_last_data(conn: INetConn, now: float) -> float:
+    """Trio time (``now`` being the current one) at which the kernel last received data on the TCP connection under
+    ``conn``, whether or not this process has read it yet (0: it cannot say). A starved event loop reads late; the
+    kernel's clock says whether the peer is there."""
+    info = _tcp_info(conn)
+    if len(info) < TCPI_LAST_DATA_RECV + 4:
+        return 0.0
+    return now - struct.unpack_from("I", info, TCPI_LAST_DATA_RECV)[0] / 1e3
 
 
 def path_rtt(network: INetwork, peer: ID) -> float:
