@@ -767,8 +767,8 @@ def report_line(r: dict[str, Any]) -> str:
         f"p50/p99 {join('join_to_trainer_s', 0.5):.1f}/{join('join_to_trainer_s', 0.99):.1f} s | leases busy "
         f"{r['leases_busy']} of {r['leases_busy'] + r['leases_issued']}, rate-limited {r['rate_limited']}, "
         f"rejected {r['rejected']}, forged {r['forged']}, strikes {r['strikes']} | dead {r['dead']} "
-        f"join errors {r['join_errors']} errors {r['errors'][:3]} | samplers' connection managers "
-        f"{r['sampler_conn_counts']}"
+        f"join errors {r['join_errors']} errors {r['errors'][:3]} | connection managers: the trainer's "
+        f"{r['conn_counts']}, the samplers' {r['sampler_conn_counts']}"
     )
 
 

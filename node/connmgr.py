@@ -375,6 +375,8 @@ class ConnManager(INotifee):
                 heard = max(mech.last_read(conn), mech.kernel_last_data(conn, now))  # read, or waiting to be
                 if pong_overdue(sent_at, answered, now, self.limits.keepalive_timeout, heard):
                     self.counts["dead"] += 1
+                    if self.is_protected(conn.muxed_conn.peer_id):  # the trainer, a bootstrap peer
+                        self.counts["dead_protected"] += 1
                     log.info("closing %s: no pong for %.0f s", conn.muxed_conn.peer_id, now - sent_at)
                     self._closing.add(id(conn))
                     try:
