@@ -415,10 +415,11 @@ async def test_the_kernel_says_when_a_peers_bytes_last_came_read_or_not():
             conn = a.host.get_network().get_connections(b.peer_id)[0]
             await trio.sleep(0.7)  # past yamux's first ping (0.5 s in); the next is 30 s away
             await providers_from_peer(a.dht, b.peer_id, role_cid("test", "trainer"))  # b's answer came just now
-            assert abs(kernel_last_data(conn, trio.current_time()) - trio.current_time()) < 0.1
+            came = kernel_last_data(conn, trio.current_time())
+            assert 0 <= trio.current_time() - came < 0.5
             await trio.sleep(0.4)  # nothing from b meanwhile
             now = trio.current_time()
-            assert 0.25 < now - kernel_last_data(conn, now) < 0.6
+            assert 0.35 < now - kernel_last_data(conn, now) < 2.0  # the kernel's clock, not "now"
 
 
 # -- 5. TCP and circuit addresses -----------------------------------------------------------------------------------
