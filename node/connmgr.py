@@ -372,8 +372,11 @@ class ConnManager(INotifee):
                 sent_at, answered = mech.ping_state(conn)
                 if id(conn) in self._closing:
                     continue
-                heard = max(mech.last_read(conn), mech.kernel_last_data(conn, now))  # read, or waiting to be
-                if pong_overdue(sent_at, answered, now, self.limits.keepalive_timeout, heard):
+                timeout, read = self.limits.keepalive_timeout, mech.last_read(conn)
+                # the kernel is asked (a syscall) only when our own reads already say dead: read, or waiting to be
+                if pong_overdue(sent_at, answered, now, timeout, read) and pong_overdue(
+                    sent_at, answered, now, timeout, max(read, mech.kernel_last_data(conn, now))
+                ):
                     self.counts["dead"] += 1
                     if self.is_protected(conn.muxed_conn.peer_id):  # the trainer, a bootstrap peer
                         self.counts["dead_protected"] += 1
