@@ -226,11 +226,18 @@ def test_wan_faults_lose_nothing_and_every_sampler_converges(tmp_path, tiny_mode
         banned_before = sc.trainer().get("banned", 0)
         arm_forgers.touch()
         swarm.event("arm the forgers")
-        sc.pump(
-            lambda: sc.trainer().get("banned", 0) >= banned_before + 2 or [f"banned {sc.trainer().get('banned')}"],
-            120,
-            "the trainer to ban the injector and a sybil identity",
-        )
+
+        def forgers_banned() -> bool | list[str]:
+            if sc.trainer().get("banned", 0) >= banned_before + 2:
+                return True
+            sybil, injector = swarm.status("sybil"), swarm.status("inject")
+            return [
+                f"banned {sc.trainer().get('banned')} (was {banned_before})",
+                f"sybil identities {sybil.get('identities')} replies {sybil.get('replies')}",
+                f"injector groups_sent {injector.get('groups_sent')} version {injector.get('weights_version')}",
+            ]
+
+        sc.pump(forgers_banned, 120, "the trainer to ban the injector and a sybil identity")
         arm.touch()
         swarm.event("arm the reachability attackers")
         armed_at, engaged_after = time.time(), {}

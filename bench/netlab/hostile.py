@@ -9,8 +9,8 @@ concurrent streams, counting the replies by error code.
 then answers "missing" (issue 17, 2).
 ``--mode inject``: the product's sampler role with an engine that replaces half of each group with the task's
 right answer, reporting that answer's exact logprobs under the current weights (issue 16).
-``--mode sybil``: a stream of fresh identities, each taking leases, sending a forged group and, once banned,
-replaced by a new one (issue 17, 6).
+``--mode sybil``: a stream of fresh identities, each taking leases and sending forged groups (waiting out rate
+limits) until banned, then replaced by a new one (issue 17, 6).
 ``--mode bomb``: decode bombs (8.4 MB of empty maps), slow streams that never finish their frame, and uploads
 pulled from samplers as fast as they answer (issue 17, 3, 4 and 7).
 ``--mode headers``: 40 identities, each on 8 work and 8 rollout streams sending only a frame header that announces
@@ -55,7 +55,7 @@ from protocols import weights as w
 from protocols.draw import RULE as DRAW_RULE
 from protocols.errors import RemoteError
 from protocols.rollouts import RolloutAck, RolloutGroup, Sample
-from protocols.work import WorkLease, WorkRequest
+from protocols.work import TaskSpec, WorkLease, WorkRequest
 
 log = logging.getLogger(__name__)
 
@@ -189,13 +189,14 @@ def injecting_engine_factory(inner_factory):
 
 
 class SybilSwarm:
-    """Fresh identities, one after another: each takes leases and sends a forged group until banned."""
+    """Fresh identities, ``concurrency`` at a time: each takes leases and sends forged groups until banned."""
 
     name = "sampler"
 
-    def __init__(self, config: NodeConfig, concurrency: int = 6) -> None:
+    def __init__(self, config: NodeConfig, concurrency: int = 6, tries: int = 32) -> None:
         self.config = config
         self.concurrency = concurrency
+        self.tries = tries  # refusals one request waits out before its identity gives up
         self.identities = 0
         self.replies: dict[str, int] = {}
 
@@ -212,60 +213,73 @@ class SybilSwarm:
         def count(code: str) -> None:
             self.replies[code] = self.replies.get(code, 0) + 1
 
+        def forged(lease: WorkLease, spec: TaskSpec, host: Any) -> RolloutGroup:
+            samples = [
+                Sample(f"{lease.lease_id}/{spec.seed}/{k}", [5, 2], [-0.01, -0.01], "stop")
+                for k in range(lease.group_size)
+            ]
+            return RolloutGroup(
+                f"{lease.lease_id}/{spec.seed}",
+                lease.lease_id,
+                spec.task_id,
+                spec.seed,
+                lease.version,
+                str(host.get_id()),
+                spec.prompt_ids,
+                lease.sampling.temperature,
+                lease.sampling.top_p,
+                "q8",  # a mode the trainer trains on, so the forgery is checked (and struck)
+                samples,
+                DRAW_RULE,
+                engine="mlx",
+                compute="bf16",
+            )
+
+        async def ask(host: Any, protocol: str, message: dict, max_request: int, max_reply: int) -> Any:
+            """One request, a refusal that says when to come back (a rate limit, a full lease pool) waited out
+            and asked again, as a forger set on its goal would: an identity that gave up at the first one was
+            struck once and never banned, and one that kept a lease's other seeds held the newcomers' lease pool
+            until its leases expired (2 min). "banned" and anything else end the identity."""
+            for _ in range(self.tries):
+                try:
+                    with trio.fail_after(60):
+                        return await request(
+                            host, target.peer_id, protocol, message, max_request=max_request, max_reply=max_reply
+                        )
+                except RemoteError as exc:
+                    count(exc.code)
+                    if exc.code == "banned":
+                        raise
+                    await trio.sleep(min(exc.retry_after or 1.0, 10.0))
+            raise trio.TooSlowError(f"{protocol}: refused {self.tries} times")
+
+        async def until_banned(host: Any) -> None:
+            """One identity: leases, and a forged group for every seed of each, until the trainer bans it."""
+            with trio.fail_after(30):
+                await host.connect(target)
+            while True:
+                reply = await ask(host, work.PROTOCOL_ID, WorkRequest(4).to_wire(), work.MAX_FRAME, work.MAX_FRAME)
+                lease = WorkLease.from_wire(reply)
+                for spec in lease.tasks:
+                    group = forged(lease, spec, host).to_wire()
+                    ack = RolloutAck.from_wire(
+                        await ask(host, rollouts.PROTOCOL_ID, group, rollouts.MAX_FRAME, rollouts.MAX_ACK_FRAME)
+                    )
+                    count("accepted" if ack.accepted else "refused")
+
         async def identity() -> None:
             while True:
                 host = build_host(create_new_key_pair())
                 self.identities += 1
                 async with host.run([]):
                     try:
-                        with trio.fail_after(30):
-                            await host.connect(target)
-                            for _ in range(8):  # hoard leases, then forge until banned
-                                reply = await request(
-                                    host,
-                                    target.peer_id,
-                                    work.PROTOCOL_ID,
-                                    WorkRequest(4).to_wire(),
-                                    max_request=work.MAX_FRAME,
-                                    max_reply=work.MAX_FRAME,
-                                )
-                                lease = WorkLease.from_wire(reply)
-                                spec = lease.tasks[0]
-                                samples = [
-                                    Sample(f"{lease.lease_id}/{k}", [5, 2], [-0.01, -0.01], "stop")
-                                    for k in range(lease.group_size)
-                                ]
-                                group = RolloutGroup(
-                                    lease.lease_id,
-                                    lease.lease_id,
-                                    spec.task_id,
-                                    spec.seed,
-                                    lease.version,
-                                    str(host.get_id()),
-                                    spec.prompt_ids,
-                                    lease.sampling.temperature,
-                                    lease.sampling.top_p,
-                                    "q8",  # a mode the trainer trains on, so the forgery is checked (and struck)
-                                    samples,
-                                    DRAW_RULE,
-                                    engine="mlx",
-                                    compute="bf16",
-                                )
-                                ack = RolloutAck.from_wire(
-                                    await request(
-                                        host,
-                                        target.peer_id,
-                                        rollouts.PROTOCOL_ID,
-                                        group.to_wire(),
-                                        max_request=rollouts.MAX_FRAME,
-                                        max_reply=rollouts.MAX_ACK_FRAME,
-                                    )
-                                )
-                                count("accepted" if ack.accepted else "refused")
-                    except RemoteError as exc:
-                        count(exc.code)
+                        await until_banned(host)
+                    except RemoteError:  # banned (counted)
+                        pass
                     except Exception as exc:
                         count(type(exc).__name__)
+                        if self.replies[type(exc).__name__] == 1:
+                            log.info("a sybil identity gave up: %r", exc)
                 await trio.sleep(0.5)
 
         async with trio.open_nursery() as nursery:
