@@ -305,6 +305,70 @@ def test_stock_yamux_frame_does_not_fit_one_noise_message():
     assert yamux_module.MAX_MESSAGE_SIZE == MAX_PLAINTEXT_LENGTH
 
 
+# -- 1b. a cancelled write -----------------------------------------------------------------------------------------
+ECHO = "/swarmrl-test/echo/1"
+
+
+async def cancelled_write_then_echo() -> tuple[bool, bytes]:
+    """A writes on a stream to B while the socket holds the frame (Noise's packet writer waits), and A's caller gives
+    up on it (its scope cancelled); then the socket takes the frame, and A asks B for an echo on a new stream of the
+    same connection. Returns (that connection still open, the echo or b"")."""
+    a, b = build_host(create_new_key_pair()), build_host(create_new_key_pair())
+
+    async def echo(stream) -> None:
+        await stream.write(await stream.read(64))
+        await stream.close()
+
+    b.set_stream_handler(ECHO, echo)
+    with trio.fail_after(30):
+        async with a.run([LISTEN]), b.run([LISTEN]):
+            await a.connect(info(b))
+            conn = a.get_network().get_connections(b.get_id())[0]
+            first = await a.new_stream(b.get_id(), [ECHO])
+            packets = conn.muxed_conn.secured_conn.conn.read_writer  # below Noise's encryption: the socket's side
+            original, held, release = packets.write_msg, trio.Event(), trio.Event()
+
+            async def socket_busy(data: bytes) -> None:
+                held.set()
+                await release.wait()
+                await original(data)
+
+            packets.write_msg = socket_busy
+            async with trio.open_nursery() as nursery:
+                scope = trio.CancelScope()
+
+                async def give_up_on_a_write() -> None:
+                    with scope:
+                        await first.write(b"given up on")
+
+                nursery.start_soon(give_up_on_a_write)
+                await held.wait()  # encrypted (its nonce spent), not yet on the wire
+                scope.cancel()
+                await trio.sleep(0.05)
+                packets.write_msg = original
+                release.set()
+            try:
+                with trio.fail_after(5):
+                    second = await a.new_stream(b.get_id(), [ECHO])
+                    await second.write(b"ping")
+                    answer = await second.read(64)
+            except Exception:
+                answer = b""
+            return not conn.muxed_conn.is_closed, answer
+
+
+async def test_stock_yamux_loses_the_connection_when_a_write_is_cancelled():
+    with libp2p_patches.disabled():
+        alive, answer = await cancelled_write_then_echo()
+    # B could not decrypt what came after the lost message ("Failed authentication of message", logged at debug)
+    assert not alive and answer == b""
+
+
+async def test_patched_yamux_finishes_a_cancelled_write_and_keeps_the_connection():
+    alive, answer = await cancelled_write_then_echo()
+    assert alive and answer == b"ping"
+
+
 # -- 8. window credit ----------------------------------------------------------------------------------------------
 async def credits_for_one_transfer(read_size: int, nbytes: int = 4 << 20) -> tuple[int, int]:
     """One stream carrying ``nbytes``, read ``read_size`` bytes at a time: (bytes received, window updates sent)."""

@@ -55,6 +55,18 @@ a deadline, reset or close). Keep draining streams promptly (LIBP2P_NOTES trap 3
 application (node.rpc does). After that error NetStream only marks the stream reset locally: no RST goes out, and the
 peer's reader waits for the rest forever unless the writer calls ``stream.reset()`` (node.rpc does).
 
+1b. a cancelled write breaks the connection silently (issue 29, the N = 128 install wave)
+--------------------------------------------------------------------------------------
+``NoiseTransportReadWriter.write_msg`` (security/noise/io.py l. 59) encrypts, spending the session's next nonce,
+then awaits the socket. A caller's deadline or cancel (a request timing out, a push lane cancelled for a newer
+version, a starved loop's many deadlines at once) landing in that await left the peer without that message, or with
+part of it: its next decryption failed, ``Yamux.handle_incoming`` logged "Error reading header ...: Failed
+authentication of message" at debug level and dropped the connection. At N = 128 on one box that was how the
+trainer lost ~half its peers within 40 s of a version (both ends saw only a clean close or an accept loop ending).
+``_write_whole`` finishes every frame write it starts, shielded from the caller's cancellation, within
+``FRAME_WRITE_DEADLINE``; past that the socket is taken for dead and the connection closed, so a half-written frame
+is never followed by another. The caller's cancellation is delivered once the frame is out.
+
 2. inbound connection slots held until the swarm stops (issue 17, item 1)
 --------------------------------------------------------------------------
 ``Swarm._handle_inbound_connection`` (network/swarm.py l. 1981-1999) takes a slot from ``_inbound_limiter``
@@ -155,6 +167,7 @@ log = logging.getLogger(__name__)
 # queued ACK/RST/pong headers per connection (12 B each) before pongs are dropped and a flooding peer is cut off
 MAX_QUEUED_CONTROL_FRAMES = 4096
 GO_AWAY_SEND_TIMEOUT = 1.0
+FRAME_WRITE_DEADLINE = 10.0  # seconds a frame's write, once begun, may take before its connection is given up
 NOISE_FIT_FRAME = MAX_PLAINTEXT_LENGTH  # a whole yamux frame (header + data) in one Noise message
 _HEADER = struct.Struct(_yamux.YAMUX_HEADER_FORMAT)
 _MAX_INCREMENT = 0xFFFFFFFF
@@ -278,19 +291,36 @@ async def _write_frame(self: _yamux.Yamux, data: bytes) -> None:
             ctrl.push_frame(data, droppable=typ == _yamux.TYPE_PING)
         return
     if typ == _yamux.TYPE_GO_AWAY:
-        with trio.move_on_after(GO_AWAY_SEND_TIMEOUT) as scope:
-            await _write_with_pending(self, ctrl, data)
-        if scope.cancelled_caught:
+        try:
+            with trio.fail_after(GO_AWAY_SEND_TIMEOUT):  # the wait for the lock; the write has its own bound
+                await _write_with_pending(self, ctrl, data, GO_AWAY_SEND_TIMEOUT)
+        except (trio.TooSlowError, RawConnError):
             log.debug("yamux: GO_AWAY to %s not sent within %.0f s; closing anyway", self.peer_id, GO_AWAY_SEND_TIMEOUT)
         return
     await _write_with_pending(self, ctrl, data)
     await trio.lowlevel.checkpoint()
 
 
-async def _write_with_pending(conn: _yamux.Yamux, ctrl: _ControlQueue, data: bytes) -> None:
+async def _write_with_pending(
+    conn: _yamux.Yamux, ctrl: _ControlQueue, data: bytes, deadline: float = FRAME_WRITE_DEADLINE
+) -> None:
     async with conn._write_lock:
         pending = ctrl.take()
-        await conn.secured_conn.write(pending + data if pending else data)
+        await _write_whole(conn, pending + data if pending else data, deadline)
+
+
+async def _write_whole(conn: _yamux.Yamux, data: bytes, deadline: float = FRAME_WRITE_DEADLINE) -> None:
+    """Write ``data`` to the secured connection whatever happens to the caller meanwhile (see 1b above): once Noise
+    has encrypted a message its nonce is spent, and a write cancelled before the socket took all of it broke the
+    connection for good. Past ``deadline`` the socket is taken for dead and the connection closed."""
+    with trio.CancelScope(shield=True):
+        with trio.move_on_after(deadline) as scope:
+            await conn.secured_conn.write(data)
+        if scope.cancelled_caught:  # part of a Noise message may be on the wire: nothing after it would decrypt
+            with trio.move_on_after(1.0):
+                await conn.secured_conn.close()
+    if scope.cancelled_caught:
+        raise RawConnError(f"yamux: a frame to {conn.peer_id} not written in {deadline:.0f} s; connection closed")
 
 
 # -- 2. swarm inbound slots -----------------------------------------------------------------------------------------
@@ -424,6 +454,13 @@ PATCHES: tuple[Patch, ...] = (
         "node/libp2p/patches.py _write_frame",
         _T + "test_stock_yamux_deadlocks_when_both_peers_push",
         (_yamux.Yamux, "_write_frame", _write_frame),
+    ),
+    Patch(
+        "yamux-cancelled-write",
+        "a write cancelled once Noise encrypted it (its nonce spent) breaks the connection: the peer drops it silently",
+        "libp2p.stream_muxer.yamux.yamux.Yamux._write_frame",
+        "node/libp2p/patches.py _write_whole",
+        _T + "test_stock_yamux_loses_the_connection_when_a_write_is_cancelled",
     ),
     Patch(
         "inbound-slots-held",
