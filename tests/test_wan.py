@@ -228,11 +228,12 @@ def test_wan_faults_lose_nothing_and_every_sampler_converges(tmp_path, tiny_mode
         swarm.event("arm the forgers")
 
         def forgers_banned() -> bool | list[str]:
-            if sc.trainer().get("banned", 0) >= banned_before + 2:
+            banned = sc.trainer().get("banned", 0)
+            if banned >= banned_before + 2:
                 return True
             sybil, injector = swarm.status("sybil"), swarm.status("inject")
             return [
-                f"banned {sc.trainer().get('banned')} (was {banned_before})",
+                f"banned {banned} (was {banned_before})",
                 f"sybil identities {sybil.get('identities')} replies {sybil.get('replies')}",
                 f"injector groups_sent {injector.get('groups_sent')} version {injector.get('weights_version')}",
             ]
