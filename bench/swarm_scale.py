@@ -207,6 +207,7 @@ def trainer_main(args: argparse.Namespace) -> None:
                 "time": now, "cpu": sum(os.times()[:2]), "rss_mb": proc_rss_mb(os.getpid()),
                 "connections": len(conns), "peers": len(swarm.host.get_connected_peers()),
                 "conn_counts": dict(swarm.conns.counts), "inbound": swarm.conns.status().get("inbound"),
+                "dht_streams": swarm.status()["dht_streams"],
                 "groups_accepted": st.get("groups_accepted", 0), "groups_rejected": st.get("groups_rejected", 0),
                 "groups_forged": st.get("groups_forged", 0), "rate_limited": st.get("rate_limited", 0),
                 "leases_issued": st.get("leases_issued", 0), "leases_busy": busy["refused"],
@@ -539,6 +540,13 @@ class Run:
     def trainer(self) -> dict[str, Any]:
         return json.loads((self.root / "trainer.json").read_text())
 
+    def boot_status(self) -> dict[str, Any]:
+        """The bootstrap node's status.json (written every second by local_swarm's nodes); {} if unreadable."""
+        try:
+            return json.loads((self.root / "bootstrap" / "status.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
     def samplers(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         stats: dict[str, Any] = {}
         procs = []
@@ -655,6 +663,10 @@ def measure(run: Run, window: float) -> dict[str, Any]:
         "trainer_peers": t_b["peers"],
         "trainer_rss_mb": t_b["rss_mb"],
         "conn_counts": t_b["conn_counts"],
+        # inbound DHT streams over the run: served, refused (every slot taken: the asker's lookup fails), cut at the
+        # 10 s bound; the bootstrap node is every newcomer's first DHT peer
+        "trainer_dht_streams": t_b.get("dht_streams", {}),
+        "boot_dht_streams": run.boot_status().get("dht_streams", {}),
         # what the samplers' connection managers closed, and why, over the whole run (dead: no pong and nothing heard)
         "sampler_conn_counts": dict(sum((Counter(s.get("conn_counts", {})) for s in s_b.values()), Counter())),
         "sampler_connections_mean": statistics.fmean([s["connections"] for s in live]) if live else 0,
@@ -768,7 +780,8 @@ def report_line(r: dict[str, Any]) -> str:
         f"{r['leases_busy']} of {r['leases_busy'] + r['leases_issued']}, rate-limited {r['rate_limited']}, "
         f"rejected {r['rejected']}, forged {r['forged']}, strikes {r['strikes']} | dead {r['dead']} "
         f"join errors {r['join_errors']} errors {r['errors'][:3]} | connection managers: the trainer's "
-        f"{r['conn_counts']}, the samplers' {r['sampler_conn_counts']}"
+        f"{r['conn_counts']}, the samplers' {r['sampler_conn_counts']} | inbound DHT streams: the bootstrap's "
+        f"{r.get('boot_dht_streams', {})}, the trainer's {r.get('trainer_dht_streams', {})}"
     )
 
 

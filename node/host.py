@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, nullcontext
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import multiaddr
@@ -37,8 +38,8 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from node.connmgr import ConnLimits, ConnManager, total_connections
 from node.errors import UserError
+from node.libp2p import dht_slots, set_dht_handlers
 from node.libp2p import install as install_libp2p
-from node.libp2p import set_dht_handlers
 from node.libp2p.conns import library_limits, stop_library_dialler
 from node.private import PeerGate
 from node.reachability import Reachability, ReachOptions, is_relayed_addr
@@ -72,6 +73,7 @@ class Swarm:
         gate: PeerGate,
         reach: ReachOptions | None = None,
         conns: ConnManager | None = None,
+        dht_serving: DhtServing | None = None,
     ) -> None:
         self.host = host
         self.dht = dht
@@ -79,6 +81,7 @@ class Swarm:
         self.gate = gate
         self.reach = Reachability(self, reach) if reach is not None else None
         self.conns = conns or ConnManager(host)  # installed by open_swarm; a role may set_valued on it
+        self.dht_serving = dht_serving or DhtServing()
 
     @property
     def peer_id(self) -> ID:
@@ -184,7 +187,8 @@ class Swarm:
         return direct if len(direct) >= 2 else peers
 
     def status(self) -> dict[str, Any]:
-        return {**(self.reach.status() if self.reach is not None else {}), "connmgr": self.conns.status()}
+        reach = self.reach.status() if self.reach is not None else {}
+        return {**reach, "connmgr": self.conns.status(), "dht_streams": asdict(self.dht_serving)}
 
     async def feed_routing_table(self, interval: float) -> None:
         """Add every connected peer to the DHT routing table, forever (py-libp2p won't do it). Peers already in
@@ -204,20 +208,75 @@ class Swarm:
 
 DHT_HANDLERS = 64  # inbound DHT streams a node serves at once (py-libp2p: 12; see access.set_dht_handlers)
 DHT_STREAM_SECONDS = 10.0  # the longest an inbound DHT stream is served (go-libp2p resets idle ones after 60 s)
+# after an answer, how long a stream may wait for its next request before it is closed: py-libp2p's handler keeps
+# its slot until the asker closes, and a lagging asker (seconds on a loaded sampler) kept slots idle that way
+DHT_IDLE_SECONDS = 1.0
 
 
-def bound_dht_streams(host: IHost, dht: KadDHT) -> None:
-    """Serve each inbound DHT stream for ``DHT_STREAM_SECONDS`` at most, then reset it. py-libp2p's handler waits
-    for a stream's next request with no deadline, holding one of the node's few DHT slots: a client whose lookup
-    was cancelled before it closed its stream (a 10 s lookup bound, a process under load) left its slot held
-    forever. At 128 samplers the bootstrap node's slots filled so: it reset every new DHT stream during negotiation
+@dataclass
+class DhtServing:
+    """What this node's DHT server did with the inbound streams it was offered: ``refused`` (all of its
+    ``DHT_HANDLERS`` slots were taken: py-libp2p resets the stream, and the asker's lookup fails), ``idle`` (closed
+    ``DHT_IDLE_SECONDS`` after an answer, no next request), ``cut`` (served ``DHT_STREAM_SECONDS`` and reset),
+    ``served``; in the node's status, so a saturated bootstrap node shows."""
+
+    served: int = 0
+    refused: int = 0
+    idle: int = 0
+    cut: int = 0
+
+
+class _AnsweredIdle:
+    """An inbound DHT stream as py-libp2p's handler sees it, whose reads after an answer wait ``DHT_IDLE_SECONDS``
+    at most and then read as the stream's end: the handler closes it gracefully and frees its slot. Our lookups and
+    provides send one request per stream; a peer that reuses a stream (go-libp2p's message sender) opens a new one
+    when it finds this one closed."""
+
+    def __init__(self, stream: INetStream, counts: DhtServing) -> None:
+        self._stream = stream
+        self._counts = counts
+        self._answered = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+    async def write(self, data: bytes) -> None:
+        self._answered = True
+        await self._stream.write(data)
+
+    async def read(self, n: int | None = None) -> bytes:
+        if not self._answered:
+            return await self._stream.read(n)
+        with trio.move_on_after(DHT_IDLE_SECONDS):
+            data = await self._stream.read(n)
+            self._answered = False
+            return data
+        self._counts.idle += 1
+        return b""
+
+
+def bound_dht_streams(host: IHost, dht: KadDHT) -> DhtServing:
+    """Serve each inbound DHT stream for ``DHT_STREAM_SECONDS`` at most, then reset it, and close it
+    ``DHT_IDLE_SECONDS`` after an answer with no next request (``_AnsweredIdle``). py-libp2p's handler waits for a
+    stream's next request with no deadline, holding one of the node's few DHT slots: a client whose lookup was
+    cancelled before it closed its stream (a 10 s lookup bound, a process under load) left its slot held forever.
+    At 128 samplers the bootstrap node's slots filled so: it reset every new DHT stream during negotiation
     (identify streams still worked), and newcomers, whose first and only DHT peer it is, could not look anything
-    up there (docs/capacity.md, section 6)."""
+    up there (docs/capacity.md, section 6). At 256, with the 10 s bound alone, answered streams waiting for their
+    lagging askers to close them still held the slots: the bootstrap node refused 475 of 3,308 streams."""
+
+    counts = DhtServing()
+    slots = dht_slots(dht)  # read only: the refusal is py-libp2p's
 
     async def bounded(stream: INetStream) -> None:
+        if slots.borrowed_tokens >= slots.total_tokens:
+            counts.refused += 1
+        else:
+            counts.served += 1
         with trio.move_on_after(DHT_STREAM_SECONDS) as scope:
-            await dht.handle_stream(stream)
+            await dht.handle_stream(_AnsweredIdle(stream, counts))  # type: ignore[arg-type]
         if scope.cancelled_caught:
+            counts.cut += 1
             with trio.CancelScope(shield=True), trio.move_on_after(1.0):
                 try:
                     await stream.reset()
@@ -225,6 +284,7 @@ def bound_dht_streams(host: IHost, dht: KadDHT) -> None:
                     pass
 
     host.set_stream_handler(DHT_PROTOCOL, bounded)
+    return counts
 
 
 @asynccontextmanager
@@ -252,9 +312,9 @@ async def open_swarm(
         await stop_library_dialler(host.get_network())  # discovery chooses whom to dial (node/libp2p/conns.py)
         dht = KadDHT(host, DHTMode.SERVER, max_peers_per_subnet=0)
         set_dht_handlers(dht, DHT_HANDLERS)
-        bound_dht_streams(host, dht)
+        serving = bound_dht_streams(host, dht)
         async with background_trio_service(dht), open_gossip(host) as gossip, manager.running():
-            swarm = Swarm(host, dht, gossip, gate, reach, manager)
+            swarm = Swarm(host, dht, gossip, gate, reach, manager, serving)
             manager.protect(swarm.trusted)
             async with swarm.reach.running() if swarm.reach is not None else nullcontext():
                 yield swarm

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import multiaddr
+import pytest
 import trio
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
@@ -166,7 +167,7 @@ async def test_a_node_answers_a_lookup_while_many_dht_requests_are_open(tmp_path
 
     from node.host import DHT_HANDLERS, open_swarm
     from node.identity import load_or_create_key
-    from node.libp2p import providers_from_peer
+    from node.libp2p import dht_slots, providers_from_peer
 
     loopback = multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")
     assert DHT_HANDLERS > 16
@@ -178,7 +179,7 @@ async def test_a_node_answers_a_lookup_while_many_dht_requests_are_open(tmp_path
         await server.dht.provide(cid)  # the server holds its own record
         await client.connect(info_from_p2p_addr(server.addrs()[0]))
         held = [await client.host.new_stream(server.peer_id, [TProtocol("/ipfs/kad/1.0.0")]) for _ in range(16)]
-        slots = server.dht._inbound_limiter  # each held stream holds a handler of the server, waiting for a request
+        slots = dht_slots(server.dht)  # each held stream holds a handler of the server, waiting for a request
         await wait_until(lambda: slots.borrowed_tokens == len(held), 10, 0.05, what="the held streams' handlers")
         with trio.fail_after(10):
             found = await providers_from_peer(client.dht, server.peer_id, cid)
@@ -189,14 +190,15 @@ async def test_a_node_answers_a_lookup_while_many_dht_requests_are_open(tmp_path
 
 async def test_an_idle_dht_stream_is_reset_and_frees_its_slot(tmp_path, monkeypatch):
     """More idle DHT streams than the node has slots (a client cancelled before closing leaves one): each is
-    served DHT_STREAM_SECONDS at most, so a lookup is answered again once they run out, not never."""
+    served DHT_STREAM_SECONDS at most, so a lookup is answered again once they run out, not never. The node's
+    status counts what it did with each stream (a saturated bootstrap node shows there)."""
     import multiaddr
     from libp2p.custom_types import TProtocol
     from libp2p.peer.peerinfo import info_from_p2p_addr
 
     from node import host as node_host
     from node.identity import load_or_create_key
-    from node.libp2p import providers_from_peer
+    from node.libp2p import dht_slots, providers_from_peer
 
     monkeypatch.setattr(node_host, "DHT_HANDLERS", 4)
     monkeypatch.setattr(node_host, "DHT_STREAM_SECONDS", 1.0)
@@ -209,7 +211,7 @@ async def test_an_idle_dht_stream_is_reset_and_frees_its_slot(tmp_path, monkeypa
         await server.dht.provide(cid)
         await client.connect(info_from_p2p_addr(server.addrs()[0]))
         held = [await client.host.new_stream(server.peer_id, [TProtocol("/ipfs/kad/1.0.0")]) for _ in range(4)]
-        slots = server.dht._inbound_limiter
+        slots = dht_slots(server.dht)
         await wait_until(lambda: slots.borrowed_tokens == 4, 10, 0.05, what="every slot held")
         assert await providers_from_peer(client.dht, server.peer_id, cid) == []  # every slot held: refused
         await wait_until(lambda: slots.borrowed_tokens == 0, 10, 0.05, what="the held streams' time up")
@@ -222,6 +224,70 @@ async def test_an_idle_dht_stream_is_reset_and_frees_its_slot(tmp_path, monkeypa
                 except Exception:
                     continue  # reset by the server
                 raise AssertionError("an idle DHT stream was served past its bound")
+        counts = server.status()["dht_streams"]
+        assert counts["refused"] == 1  # the lookup made while every slot was held
+        assert counts["cut"] == 4  # the four idle streams
+        assert counts["served"] == 5  # those four and the answered lookup
+
+
+async def test_an_answered_dht_stream_left_open_is_closed_and_frees_its_slot(tmp_path, monkeypatch):
+    """A lagging asker reads its answer seconds before it closes its stream; py-libp2p's handler held the slot
+    until then, and at 256 samplers a bootstrap node's slots were all held so. Now the node closes an answered
+    stream DHT_IDLE_SECONDS after its answer: the slot frees, the asker reads a clean end, not a reset."""
+    import multiaddr
+    import varint
+    from libp2p.custom_types import TProtocol
+    from libp2p.kad_dht.pb.kademlia_pb2 import Message
+    from libp2p.network.stream.exceptions import StreamEOF
+    from libp2p.peer.peerinfo import info_from_p2p_addr
+
+    from node import host as node_host
+    from node.identity import load_or_create_key
+    from node.libp2p import dht_slots
+
+    monkeypatch.setattr(node_host, "DHT_HANDLERS", 2)
+    loopback = multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")
+    async with (
+        node_host.open_swarm(load_or_create_key(tmp_path / "server.key"), loopback) as server,
+        node_host.open_swarm(load_or_create_key(tmp_path / "client.key"), loopback) as client,
+    ):
+        cid = discovery.dht_key(discovery.role_key("s", "trainer"))
+        await server.dht.provide(cid)
+        await client.connect(info_from_p2p_addr(server.addrs()[0]))
+        request = Message(type=Message.MessageType.GET_PROVIDERS, key=cid.encode()).SerializeToString()
+        streams = []
+        for _ in range(2):  # every slot, each answered and left open by its asker
+            stream = await client.host.new_stream(server.peer_id, [TProtocol("/ipfs/kad/1.0.0")])
+            await stream.write(varint.encode(len(request)) + request)
+            streams.append(stream)
+        slots = dht_slots(server.dht)
+        for stream in streams:
+            with trio.fail_after(10):
+                answer = Message()
+                answer.ParseFromString(await read_varint_prefixed(stream))
+            assert answer.type == Message.MessageType.GET_PROVIDERS
+        await wait_until(lambda: slots.borrowed_tokens == 0, 10, 0.05, what="the answered streams' slots freed")
+        assert server.status()["dht_streams"]["idle"] == 2
+        assert server.status()["dht_streams"]["cut"] == 0  # closed, not held to the 10 s bound
+        for stream in streams:
+            with trio.fail_after(5), pytest.raises(StreamEOF):  # a clean end (a reset raises StreamReset)
+                await stream.read(1)
+            await stream.close()
+
+
+async def read_varint_prefixed(stream) -> bytes:
+    """One varint-length-prefixed message read from ``stream``."""
+    length, shift = 0, 0
+    while True:
+        byte = (await stream.read(1))[0]
+        length |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            break
+    data = b""
+    while len(data) < length:
+        data += await stream.read(length - len(data))
+    return data
 
 
 async def test_the_trainer_is_found_while_dials_to_samplers_hang(monkeypatch, autojump_clock):

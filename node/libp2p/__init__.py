@@ -6,7 +6,7 @@ private methods. The rest of node/ uses the library's public API and what this p
 - reachability (node/reachability.py decides, these act): ``DialBack`` (AutoNAT), ``RelayHop`` and ``RelayClient``
   (circuit relay v2), ``HolePuncher`` (DCUtR), ``advertise`` (what the host puts in identify and provider
   records), ``conn_kind`` / ``is_relayed_addr``;
-- discovery: ``providers_from_peer``, ``provide_to_peer``, ``set_dht_handlers``; the allow-list gate:
+- discovery: ``providers_from_peer``, ``provide_to_peer``, ``set_dht_handlers``, ``dht_slots``; the allow-list gate:
   ``inbound_stream_entry``.
 
 Every fix is a row of ``patches.PATCHES`` (bug, target, ours, the test reproducing it, the report for upstream in
@@ -17,7 +17,7 @@ re-deriving those rows, here only.
 from __future__ import annotations
 
 from node.libp2p import patches
-from node.libp2p.access import inbound_stream_entry, provide_to_peer, providers_from_peer, set_dht_handlers
+from node.libp2p.access import dht_slots, inbound_stream_entry, provide_to_peer, providers_from_peer, set_dht_handlers
 from node.libp2p.logs import route_library_logs
 from node.libp2p.nat import (
     MAX_HOLE_PUNCH_ATTEMPTS,
@@ -41,6 +41,7 @@ __all__ = [
     "advertise",
     "check_version",
     "conn_kind",
+    "dht_slots",
     "inbound_stream_entry",
     "install",
     "is_relayed_addr",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
+import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.kad_dht.kad_dht import KadDHT, _encode_key
 from libp2p.peer.id import ID
@@ -38,4 +39,10 @@ def set_dht_handlers(dht: KadDHT, most: int) -> None:
     and left idle, by slow peers or one hostile peer, made the node refuse every lookup (tests/test_rendezvous.py).
     A bootstrap node is every newcomer's first DHT peer: a crowd of joiners must not be refused. A per-peer cap and
     a deadline on the first request are the real fix (not done: py-libp2p's handler reads in a loop of its own)."""
-    dht._inbound_limiter.total_tokens = most
+    dht_slots(dht).total_tokens = most
+
+
+def dht_slots(dht: KadDHT) -> trio.CapacityLimiter:
+    """The limiter whose tokens are ``dht``'s inbound request slots (a stream offered when all are borrowed is
+    reset unserved)."""
+    return dht._inbound_limiter

@@ -598,7 +598,7 @@ INTERNALS: tuple[tuple[str, str], ...] = (
     ("ProviderStore._get_providers_from_peer_with_closers", "access.providers_from_peer"),
     ("kad_dht._encode_key", "access.providers_from_peer, access.provide_to_peer"),
     ("ProviderStore._send_add_provider", "access.provide_to_peer"),
-    ("KadDHT._inbound_limiter", "access.set_dht_handlers"),
+    ("KadDHT._inbound_limiter", "access.set_dht_handlers, access.dht_slots"),
     ("CircuitV2Transport._make_reservation, ._reservations", "nat.RelayClient.reserve_on"),
     ("RelayResourceManager._reservations", "nat.RelayHop.reservations"),
     ("DCUtRProtocol._hole_punch_attempts, ._in_progress, ._nursery", "nat.HolePuncher"),
