@@ -193,13 +193,41 @@ async def test_rotating_identities_hold_no_more_than_the_newcomer_pool(tmp_path,
     with pytest.raises(Busy, match="without an accepted record"):
         intake.lease(WorkRequest(4), "carol", 0)
     intake.lease(WorkRequest(4), "alice", 0)  # not a newcomer: not from the pool
-    later(monkeypatch, intake.leases.pool_grace + 1)
+    later(monkeypatch, intake.leases.pool_grace() + 1)
     carol = intake.lease(WorkRequest(4), "carol", 0)  # the oldest hoarded lease is taken back for her
     assert intake.leases.get(issued[0].lease_id) is None and intake.leases.get(carol.lease_id) is not None
     open_sybil = sum(intake.leases.get(lease.lease_id) is not None for lease in issued)
     assert open_sybil == NEWCOMER_POOL - 1
     # the seeds taken back go to a peer with a record
     assert {t.seed for t in issued[0].tasks} <= {t.seed for t in intake.lease(WorkRequest(4), "alice", 0).tasks}
+
+
+def test_the_pool_grace_is_twice_the_measured_first_return_within_a_quarter_and_all_of_the_lease():
+    from node.intake.leases import pool_grace
+
+    assert pool_grace([], 120.0) == 30.0  # nothing measured yet: a quarter of the lease
+    assert pool_grace([5.0, 6.0, 7.0], 120.0) == 30.0  # fast samplers: never under a quarter
+    assert pool_grace([40.0, 45.0, 50.0], 120.0) == 90.0
+    assert pool_grace([64.0] * 10, 120.0) == 120.0  # never past the lease's life
+    assert pool_grace([10.0] * 40 + [10_000.0] * 20, 120.0) == 30.0  # a third of slow returns move the median little
+
+
+async def test_slow_honest_newcomers_keep_their_leases_past_a_quarter_of_the_lease(tmp_path, monkeypatch):
+    """At N = 256 with samplers taking 64 s a group, newcomers took back each other's leases after the fixed
+    30 s grace, before any group could come back: nothing was accepted. The grace now follows what the trainer
+    measured: twice the time leases took to bring a first accepted group back."""
+    from node.intake.leases import NEWCOMER_POOL
+
+    intake = make_intake(tmp_path, trusted_after=1)
+    lease = intake.lease(WorkRequest(1), "alice", 0)
+    later(monkeypatch, 64.0)  # alice's group took 64 s
+    assert (await intake.submit(group_for(intake, "alice", lease.tasks[0], lease, ["1", "22"]), "alice", 0)).accepted
+    assert intake.leases.pool_grace() == intake.leases.ttl  # 2 x 64 s, within the lease's life
+    slow = [intake.lease(WorkRequest(1), f"slow{k}", 0) for k in range(NEWCOMER_POOL)]
+    later(monkeypatch, 40.0)  # 40 s into their leases: past the old fixed grace of 30 s
+    with pytest.raises(Busy, match="without an accepted record"):
+        intake.lease(WorkRequest(1), "carol", 0)
+    assert all(intake.leases.get(s.lease_id) is not None for s in slow)  # none taken back
 
 
 # -- the ledger ------------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ record (never to one that held it before), so a sampler cannot censor prompts by
 never sent back (its leases expired) are counted, fading with time, and a peer leaving far more of its seeds
 unreturned than the swarm's typical peer stops getting leases (``refuses_leases``). Peers without an accepted
 record share one pool of open leases (``pool_decision``): fresh identities are free, so their total is bounded, not
-each one's.
+each one's. When the pool is full a newcomer may take back the oldest pool lease once it has had ``pool_grace``
+seconds, twice what the swarm's recent leases took to bring a first group back (as the trainer measured it).
 """
 
 from __future__ import annotations
@@ -51,6 +52,21 @@ def swarm_median(records: list[tuple[float, float]], min_seeds: float = MEDIAN_M
     return statistics.median(fractions) if fractions else 0.0
 
 
+RETURN_SAMPLES = 64  # recent leases whose first accepted group's return time sets the newcomers' pool grace
+
+
+def pool_grace(first_returns: list[float], ttl: float) -> float:
+    """Seconds a newcomer's pool lease is safe from being taken back for another newcomer: twice the median time
+    the swarm's recent leases took to bring their first accepted group back (what the trainer measured), within
+    [``ttl`` / 4, ``ttl``]; ``ttl`` / 4 before any came back. A fixed ``ttl`` / 4 (30 s) was shorter than an honest
+    sampler's group at 64 s: at N = 256 newcomers took each other's leases back before any group could return,
+    and the trainer accepted nothing (bench/swarm_scale). A peer cannot stretch it past ``ttl``, where a lease
+    leaves the pool anyway, and one peer's slow returns move a median of 64 little."""
+    if not first_returns:
+        return ttl / 4
+    return min(ttl, max(ttl / 4, 2.0 * statistics.median(first_returns)))
+
+
 @dataclass(frozen=True)
 class PoolDecision:
     """``revoke``: the pool lease to take back for this one (None: no need); ``wait``: refused, retry after."""
@@ -84,6 +100,7 @@ class LeaseRecord:
     open_seeds: set[int] = field(default_factory=set)
     prior: dict[int, tuple[str, ...]] = field(default_factory=dict)  # re-issued seeds: the peers that held them
     newcomer: bool = False  # drawn from the newcomer pool
+    returned: bool = False  # a group of it was accepted
 
 
 @dataclass
@@ -121,7 +138,7 @@ class LeaseBook:
         self.ttl = ttl
         self.max_staleness = max_staleness
         self.pool_size = pool_size
-        self.pool_grace = ttl / 4  # a newcomer's lease is safe from being taken back this long (30 s by default)
+        self.first_returns: deque[float] = deque(maxlen=RETURN_SAMPLES)  # issue -> first accepted group, seconds
         self.next_seed = seed_base  # the buffer cursor: saved in checkpoints
         self._leases: dict[str, LeaseRecord] = {}  # insertion order = issue order
         self._pool: dict[str, None] = {}  # newcomers' lease ids still counted against the pool, oldest first
@@ -168,12 +185,16 @@ class LeaseBook:
         self._trim_pool(now)
         held = sum(self._leases[lid].peer == peer for lid in self._pool)
         pool = [(lid, self._leases[lid].issued_at) for lid in self._pool]
-        decision = pool_decision(held, pool, self.pool_size, self.pool_grace, now)
+        decision = pool_decision(held, pool, self.pool_size, self.pool_grace(), now)
         if decision.revoke is not None:
             self._revoke(decision.revoke)
         if decision.wait is not None:
             return f"the {self.pool_size} leases for peers without an accepted record are all out", decision.wait
         return None
+
+    def pool_grace(self) -> float:
+        """How long a newcomer's lease is safe from being taken back (``pool_grace``)."""
+        return pool_grace(list(self.first_returns), self.ttl)
 
     def median(self, now: float) -> float:
         """The swarm's median unreturned fraction, recomputed at most every ``MEDIAN_EVERY`` seconds."""
@@ -246,10 +267,13 @@ class LeaseBook:
     def get(self, lease_id: str) -> LeaseRecord | None:
         return self._leases.get(lease_id)
 
-    def close_seed(self, lease_id: str, seed: int) -> None:
-        """The seed came back trained (accepted): done with it."""
+    def close_seed(self, lease_id: str, seed: int, accepted: bool = True) -> None:
+        """The seed came back trained (accepted), or is done with for its holder (``release``)."""
         rec = self._leases.get(lease_id)
         if rec is not None:
+            if accepted and not rec.returned:
+                rec.returned = True
+                self.first_returns.append(time.monotonic() - rec.issued_at)
             rec.open_seeds.discard(seed)
             if not rec.open_seeds:
                 self._forget(lease_id)
@@ -263,7 +287,7 @@ class LeaseBook:
         if rec is None or seed not in rec.open_seeds:
             return
         self._requeue_from(rec, [seed])
-        self.close_seed(lease_id, seed)
+        self.close_seed(lease_id, seed, accepted=False)
 
     def release_peer(self, peer: str) -> None:
         """``peer`` was banned: every seed it holds goes to another peer now, not when its leases expire."""
