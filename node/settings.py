@@ -109,7 +109,11 @@ class SamplerSettings:
             else None
         ),
     )
-    groups_per_request: int = knob(4, "groups asked for in one work request")
+    groups_per_request: int = knob(
+        4,
+        "most groups asked for in one work request (fewer while this sampler's pace would not finish them in half "
+        "a lease's life)",
+    )
     submit_attempts: int = knob(5, "tries to deliver a group when the trainer cannot be reached")
     rate_limit_patience: float = knob(120.0, "seconds a group may wait on rate-limit refusals before it is dropped")
 

@@ -35,6 +35,21 @@ from protocols.work import SamplerReport, TaskSpec, WorkLease, WorkRequest
 log = logging.getLogger(__name__)
 
 
+LEASE_FILL = 0.5  # of a lease's life, what a sampler plans to spend sampling it (the rest: weights, lag, resends)
+GROUP_TIME_WEIGHT = 0.3  # weight of the newest group in the running mean of seconds per group
+
+
+def groups_to_ask(seconds_per_group: float | None, lease_seconds: float | None, most: int) -> int:
+    """How many groups a sampler asks for in one work request: what it finishes within ``LEASE_FILL`` of a lease's
+    life at its own measured pace, at least 1 and at most ``most``; 1 before it has measured a group or seen a
+    lease. A fixed 4 meant a sampler taking 64 s a group (a Mac on a large model) held a lease for 256 s, past its
+    120 s life: its last groups were refused as expired work (bench/swarm_scale, N = 256), and a newcomer held its
+    place in the newcomers' lease pool for all of it."""
+    if not seconds_per_group or not lease_seconds:
+        return 1
+    return max(1, min(most, int(LEASE_FILL * lease_seconds / seconds_per_group)))
+
+
 class VersionWatch:
     """Which version the engine runs, and the newest one this node knows the trainer has (from leases and
     announcements). Wakes whoever waits for the engine to come within a staleness bound."""
@@ -104,6 +119,8 @@ class SamplerRole:
         self.stale_waits = 0
         self.versions = VersionWatch()
         self.last_error = ""
+        self.group_seconds: float | None = None  # running mean of one group's time, sampling to acknowledgement
+        self.lease_seconds: float | None = None  # the life of the last lease the trainer gave us
         self._engine_lock = trio.Lock()
 
     def register(self, swarm: Swarm) -> None:
@@ -154,9 +171,8 @@ class SamplerRole:
         while True:
             await self.discovery.trainer_found.wait()
             try:
-                lease = await self.trainer.lease(
-                    self.trainer_id, WorkRequest(self.settings.groups_per_request, self.report())
-                )
+                ask = groups_to_ask(self.group_seconds, self.lease_seconds, self.settings.groups_per_request)
+                lease = await self.trainer.lease(self.trainer_id, WorkRequest(ask, self.report()))
             except RemoteError as exc:
                 self.last_error = str(exc)
                 pause = backpressure(exc)
@@ -174,11 +190,16 @@ class SamplerRole:
                 await trio.sleep(backoff := min(backoff * 2, 10.0))
                 continue
             backoff = 0.5
+            self.lease_seconds = lease.expires_in
             for spec in lease.tasks:
                 if not await self._fresh_enough(lease):
                     break  # the lease ran out while we waited for weights: ask for new work
+                started = trio.current_time()
                 group = await self.sample_group(lease, spec)
                 await self.submit(swarm, group)
+                took = trio.current_time() - started
+                mean = self.group_seconds
+                self.group_seconds = took if mean is None else mean + GROUP_TIME_WEIGHT * (took - mean)
 
     async def _fresh_enough(self, lease: WorkLease) -> bool:
         """Don't sample what the trainer will refuse as stale: wait for newer weights (up to the lease's life)."""
