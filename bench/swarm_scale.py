@@ -667,6 +667,7 @@ def measure(run: Run, window: float) -> dict[str, Any]:
         # 10 s bound; the bootstrap node is every newcomer's first DHT peer
         "trainer_dht_streams": t_b.get("dht_streams", {}),
         "boot_dht_streams": run.boot_status().get("dht_streams", {}),
+        "boot_connmgr": run.boot_status().get("connmgr", {}),
         # what the samplers' connection managers closed, and why, over the whole run (dead: no pong and nothing heard)
         "sampler_conn_counts": dict(sum((Counter(s.get("conn_counts", {})) for s in s_b.values()), Counter())),
         "sampler_connections_mean": statistics.fmean([s["connections"] for s in live]) if live else 0,
@@ -780,7 +781,8 @@ def report_line(r: dict[str, Any]) -> str:
         f"{r['leases_busy']} of {r['leases_busy'] + r['leases_issued']}, rate-limited {r['rate_limited']}, "
         f"rejected {r['rejected']}, forged {r['forged']}, strikes {r['strikes']} | dead {r['dead']} "
         f"join errors {r['join_errors']} errors {r['errors'][:3]} | connection managers: the trainer's "
-        f"{r['conn_counts']}, the samplers' {r['sampler_conn_counts']} | inbound DHT streams: the bootstrap's "
+        f"{r['conn_counts']}, the samplers' {r['sampler_conn_counts']}, the bootstrap's {r.get('boot_connmgr', {})} "
+        f"| inbound DHT streams: the bootstrap's "
         f"{r.get('boot_dht_streams', {})}, the trainer's {r.get('trainer_dht_streams', {})}"
     )
 

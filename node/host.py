@@ -366,32 +366,60 @@ async def join_bootstrap(swarm: Swarm, infos: list[PeerInfo], timeout: float) ->
         await trio.sleep(1.0)
 
 
+BOOTSTRAP_WELL_CONNECTED = 8  # other peers a node holds past which it does not need a bootstrap peer back at once
+BOOTSTRAP_RETRY_SETTLED = 900.0  # the longest such a node waits between tries (go-libp2p re-checks reachability so)
+BOOTSTRAP_STABLE = 60.0  # a bootstrap connection that lived this long was not refused: its loss starts backoff over
+
+
+def bootstrap_redial_wait(others: int, losses: int, first: float, most: float) -> float:
+    """Seconds before dialling again a bootstrap peer this node is not connected to, after ``losses`` (>= 1)
+    failed dials or short-lived connections in a row: ``first`` doubling up to ``most``; a node holding
+    ``BOOTSTRAP_WELL_CONNECTED`` other peers (the trainer, its mesh) waits ``most``, doubling up to
+    ``BOOTSTRAP_RETRY_SETTLED``. A bootstrap node full of connections hangs up on its idlest (node/connmgr.py),
+    which are settled samplers: redialled after 1 s, each took another's slot, which redialled in turn (124 such
+    closures at the bootstrap in 5 minutes at N = 256, 250 slots). A settled node asks the trainer for records
+    meanwhile (discovery asks every trusted peer connected)."""
+    doubling = 2 ** min(max(losses, 1) - 1, 30)
+    if others >= BOOTSTRAP_WELL_CONNECTED:
+        return min(most * doubling, BOOTSTRAP_RETRY_SETTLED)
+    return min(first * doubling, most)
+
+
 async def keep_bootstrap_peers(
     swarm: Swarm, infos: list[PeerInfo], first: float = BOOTSTRAP_RETRY_FIRST, most: float = BOOTSTRAP_RETRY_MOST
 ) -> None:
-    """Keep a connection to every bootstrap peer, forever: one that is down (a swarm's other bootstrap nodes
-    while the first one starts, or one that restarts) is dialled again with backoff, ``first`` doubling up to
-    ``most`` seconds between tries."""
+    """Keep a connection to every bootstrap peer: one that is down (a swarm's other bootstrap nodes while the
+    first one starts, or one that restarts) or hung up is dialled again as ``bootstrap_redial_wait`` says."""
+    bootstrap = frozenset(info.peer_id for info in infos)
     async with trio.open_nursery() as nursery:
         for info in infos:
-            nursery.start_soon(_keep_bootstrap_peer, swarm, info, first, most)
+            nursery.start_soon(_keep_bootstrap_peer, swarm, info, bootstrap, first, most)
 
 
-async def _keep_bootstrap_peer(swarm: Swarm, info: PeerInfo, first: float, most: float) -> None:
-    delay, failed = first, False
+async def _keep_bootstrap_peer(
+    swarm: Swarm, info: PeerInfo, bootstrap: frozenset[ID], first: float, most: float
+) -> None:
+    losses, failed, since = 0, False, None
     while True:
-        if info.peer_id in swarm.host.get_connected_peers():
-            delay = first
+        connected = swarm.host.get_connected_peers()
+        if info.peer_id in connected:
+            since = trio.current_time() if since is None else since
             await trio.sleep(first)
             continue
+        if since is not None:  # the connection was lost (hung up on, or the peer went down)
+            losses = 0 if trio.current_time() - since >= BOOTSTRAP_STABLE else losses
+            losses, since = losses + 1, None
+            others = sum(1 for p in connected if p not in bootstrap)
+            await trio.sleep(bootstrap_redial_wait(others, losses, first, most))
         try:
             await swarm.connect(info, timeout=10.0)
             log.info("bootstrap peer %s reached", info.peer_id)
-            delay, failed = first, False
+            failed = False
         except Exception as exc:
             # said once per outage (a private swarm with the wrong key would retry silently otherwise)
             level = logging.DEBUG if failed else logging.WARNING
             log.log(level, "bootstrap peer %s not reached, trying again in the background: %s", info.peer_id, exc)
             failed = True
-            await trio.sleep(delay)
-            delay = min(2 * delay, most)
+            losses += 1
+            others = sum(1 for p in swarm.host.get_connected_peers() if p not in bootstrap)
+            await trio.sleep(bootstrap_redial_wait(others, losses, first, most))
