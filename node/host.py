@@ -206,45 +206,62 @@ class Swarm:
             await trio.sleep(interval)
 
 
-DHT_HANDLERS = 64  # inbound DHT streams a node serves at once (py-libp2p: 12; see access.set_dht_handlers)
+DHT_HANDLERS = 64  # DHT requests a node handles at once (py-libp2p: 12; see access.set_dht_handlers)
 DHT_STREAM_SECONDS = 10.0  # the longest an inbound DHT stream is served (go-libp2p resets idle ones after 60 s)
 # after an answer, how long a stream may wait for its next request before it is closed: py-libp2p's handler keeps
 # its slot until the asker closes, and a lagging asker (seconds on a loaded sampler) kept slots idle that way
 DHT_IDLE_SECONDS = 1.0
+DHT_FIRST_READ = 4096  # bytes of a stream's first request read before a slot is taken (the rest through the handler)
 
 
 @dataclass
 class DhtServing:
-    """What this node's DHT server did with the inbound streams it was offered: ``refused`` (all of its
-    ``DHT_HANDLERS`` slots were taken: py-libp2p resets the stream, and the asker's lookup fails), ``idle`` (closed
-    ``DHT_IDLE_SECONDS`` after an answer, no next request), ``cut`` (served ``DHT_STREAM_SECONDS`` and reset),
-    ``served``; in the node's status, so a saturated bootstrap node shows."""
+    """What this node's DHT server did with the inbound streams it was offered: ``served``; ``refused`` (a request
+    came while all ``DHT_HANDLERS`` slots were taken: py-libp2p resets the stream, and the asker's lookup fails);
+    ``idle`` (closed ``DHT_IDLE_SECONDS`` after an answer, no next request); ``cut`` (no request, or not done, in
+    ``DHT_STREAM_SECONDS``: reset); ``empty`` (closed by the asker before any request). In the node's status, so a
+    saturated bootstrap node shows."""
 
     served: int = 0
     refused: int = 0
     idle: int = 0
     cut: int = 0
+    empty: int = 0
 
 
-class _AnsweredIdle:
-    """An inbound DHT stream as py-libp2p's handler sees it, whose reads after an answer wait ``DHT_IDLE_SECONDS``
-    at most and then read as the stream's end: the handler closes it gracefully and frees its slot. Our lookups and
-    provides send one request per stream; a peer that reuses a stream (go-libp2p's message sender) opens a new one
-    when it finds this one closed."""
+class _DhtStream:
+    """An inbound DHT stream as py-libp2p's handler sees it. ``first_request`` waits for the first bytes of a
+    request before the handler (and its slot) is called, and hands them to its first reads; reads after an answer
+    wait ``DHT_IDLE_SECONDS`` at most and then read as the stream's end, so the handler closes it gracefully and
+    frees its slot. Our lookups and provides send one request per stream; a peer that reuses a stream (go-libp2p's
+    message sender) opens a new one when it finds this one closed."""
 
     def __init__(self, stream: INetStream, counts: DhtServing) -> None:
         self._stream = stream
         self._counts = counts
         self._answered = False
+        self._first = b""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
+
+    async def first_request(self) -> bool:
+        """Wait, holding no slot, for the first bytes of a request; False if the stream ended first."""
+        try:
+            self._first = await self._stream.read(DHT_FIRST_READ)
+        except Exception:  # ended or reset by the asker
+            return False
+        return bool(self._first)
 
     async def write(self, data: bytes) -> None:
         self._answered = True
         await self._stream.write(data)
 
     async def read(self, n: int | None = None) -> bytes:
+        if self._first:
+            take = len(self._first) if n is None or n < 0 else n
+            data, self._first = self._first[:take], self._first[take:]
+            return data
         if not self._answered:
             return await self._stream.read(n)
         with trio.move_on_after(DHT_IDLE_SECONDS):
@@ -256,25 +273,35 @@ class _AnsweredIdle:
 
 
 def bound_dht_streams(host: IHost, dht: KadDHT) -> DhtServing:
-    """Serve each inbound DHT stream for ``DHT_STREAM_SECONDS`` at most, then reset it, and close it
-    ``DHT_IDLE_SECONDS`` after an answer with no next request (``_AnsweredIdle``). py-libp2p's handler waits for a
-    stream's next request with no deadline, holding one of the node's few DHT slots: a client whose lookup was
-    cancelled before it closed its stream (a 10 s lookup bound, a process under load) left its slot held forever.
-    At 128 samplers the bootstrap node's slots filled so: it reset every new DHT stream during negotiation
-    (identify streams still worked), and newcomers, whose first and only DHT peer it is, could not look anything
-    up there (docs/capacity.md, section 6). At 256, with the 10 s bound alone, answered streams waiting for their
-    lagging askers to close them still held the slots: the bootstrap node refused 475 of 3,308 streams."""
+    """Serve each inbound DHT stream for ``DHT_STREAM_SECONDS`` at most, then reset it; hand it to py-libp2p's
+    handler, which holds one of the node's ``DHT_HANDLERS`` slots while it runs, only once a request has arrived,
+    and close it ``DHT_IDLE_SECONDS`` after an answer with no next request (``_DhtStream``). py-libp2p's handler
+    takes its slot when the stream opens and waits for each request with no deadline. A client whose lookup was
+    cancelled before it closed its stream left its slot held forever: at 128 samplers the bootstrap node's slots
+    filled so, it reset every new DHT stream, and newcomers, whose first and only DHT peer it is, could not look
+    anything up (docs/capacity.md, section 6). At 256, with the 10 s bound alone, streams whose lagging askers had
+    not yet written their request, or not yet closed after the answer, held the slots: the bootstrap node refused
+    475 of 3,308 streams."""
 
     counts = DhtServing()
     slots = dht_slots(dht)  # read only: the refusal is py-libp2p's
 
     async def bounded(stream: INetStream) -> None:
-        if slots.borrowed_tokens >= slots.total_tokens:
-            counts.refused += 1
-        else:
-            counts.served += 1
+        wrapped = _DhtStream(stream, counts)
         with trio.move_on_after(DHT_STREAM_SECONDS) as scope:
-            await dht.handle_stream(_AnsweredIdle(stream, counts))  # type: ignore[arg-type]
+            if not await wrapped.first_request():
+                counts.empty += 1
+                with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                    try:
+                        await stream.close()
+                    except Exception:
+                        pass
+                return
+            if slots.borrowed_tokens >= slots.total_tokens:
+                counts.refused += 1
+            else:
+                counts.served += 1
+            await dht.handle_stream(wrapped)  # type: ignore[arg-type]
         if scope.cancelled_caught:
             counts.cut += 1
             with trio.CancelScope(shield=True), trio.move_on_after(1.0):
