@@ -97,11 +97,15 @@ def write_json(path: Path, data: Any) -> None:
 def boot_main(args: argparse.Namespace) -> None:
     import trio
 
-    from node.local_swarm import start_bootstrap
+    from node.local_swarm import node_config, start
+    from node.roles.bootstrap import BootstrapRole
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            boot = await start_bootstrap(nursery, Path(args.root))
+            # every sampler keeps a connection to the bootstrap node: as for the trainer, its --max-inbound must
+            # cover N (a bootstrap node at the default 250 hangs up on its idlest peers, who come back later)
+            cfg = node_config(Path(args.root), "bootstrap", "bootstrap", max_inbound=max(250, args.count + 64))
+            boot = await start(nursery, cfg, BootstrapRole())
             (Path(args.root) / "boot.addr").write_text(str(boot.swarm.addrs()[0]))
 
     trio.run(main)
@@ -358,6 +362,8 @@ def samplers_main(args: argparse.Namespace) -> None:
         try:
             swarms[name] = await nursery_ref[0].start(run_node, cfg, role)
         except BaseException as exc:
+            while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:  # the nursery's: say its cause
+                exc = exc.exceptions[0]
             marks[name]["error"] = f"{type(exc).__name__}: {exc}"
             return
         marks[name]["joined"] = time.time()
@@ -509,7 +515,7 @@ class Run:
             )
 
         try:  # a loaded machine (load average 18 on 2 cores seen here) takes minutes to start a process
-            spawn("boot", "boot")
+            spawn("boot", "boot", "--count", str(n))
             self._wait_file(root / "boot.addr", 300)
             rate = str(args.newcomer_rate)
             spawn("trainer", "trainer", "--model", str(model), "--newcomer-rate", rate, "--count", str(n),
