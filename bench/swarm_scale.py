@@ -894,10 +894,10 @@ def capacity_check(results: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def earlier_results(skip: set[int]) -> list[dict[str, Any]]:
-    """The per-N results already in bench/results/swarm_scale.txt, but for the N in ``skip`` (``--merge``: a loaded
+def earlier_results(skip: set[int], name: str) -> list[dict[str, Any]]:
+    """The per-N results already in bench/results/<name>.txt, but for the N in ``skip`` (``--merge``: a loaded
     box leaves only short quiet windows, so the N are measured in separate runs)."""
-    path = RESULTS / "swarm_scale.txt"
+    path = RESULTS / f"{name}.txt"
     if not path.exists():
         return []
     lines = path.read_text().split("raw (per N):", 1)[-1].splitlines()
@@ -912,7 +912,7 @@ def earlier_results(skip: set[int]) -> list[dict[str, Any]]:
 
 def write_results(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     if args.merge:
-        results = sorted(results + earlier_results({r["n"] for r in results}), key=lambda r: r["n"])
+        results = sorted(results + earlier_results({r["n"] for r in results}, args.results), key=lambda r: r["n"])
     RESULTS.mkdir(exist_ok=True)
     lines = [
         "bench/swarm_scale: one trainer, N real sampler hosts on loopback (K processes of N/K identities, one shared",
@@ -945,11 +945,11 @@ def write_results(results: list[dict[str, Any]], args: argparse.Namespace) -> No
             xs = r[key]
             raw[key] = {"n": len(xs), "p50": pct(xs, 0.5), "p99": pct(xs, 0.99)}
         lines.append(json.dumps(raw, default=float))
-    (RESULTS / "swarm_scale.txt").write_text("\n".join(lines) + "\n")
-    plot(results)
+    (RESULTS / f"{args.results}.txt").write_text("\n".join(lines) + "\n")
+    plot(results, args.results)
 
 
-def plot(results: list[dict[str, Any]]) -> None:
+def plot(results: list[dict[str, Any]], name: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -984,7 +984,7 @@ def plot(results: list[dict[str, Any]]) -> None:
         a.legend(fontsize=8)
         a.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(RESULTS / "swarm_scale.png", dpi=110)
+    fig.savefig(RESULTS / f"{name}.png", dpi=110)
 
 
 def main() -> None:
@@ -1021,6 +1021,8 @@ def main() -> None:
     ap.add_argument("--weights", default="{}", help="[weights] knobs for every node, as JSON (e.g. a poll interval)")
     ap.add_argument("--no-write", action="store_true", help="print only (a smoke run)")
     ap.add_argument("--merge", action="store_true", help="keep the other N's results already in the results file")
+    ap.add_argument("--results", default="swarm_scale",
+                    help="bench/results/<this>.txt and .png (a series at other settings: another name)")  # fmt: skip
     args = ap.parse_args()
     if args.cmd is not None:
         from node.cli import setup_logging

@@ -37,8 +37,9 @@ def set_dht_handlers(dht: KadDHT, most: int) -> None:
     """Let ``dht`` answer up to ``most`` inbound requests at once. py-libp2p resets every stream past 12 (a guard
     against floods of Kubo connections) and waits for a stream's request without a deadline: 12 DHT streams opened
     and left idle, by slow peers or one hostile peer, made the node refuse every lookup (tests/test_rendezvous.py).
-    A bootstrap node is every newcomer's first DHT peer: a crowd of joiners must not be refused. A per-peer cap and
-    a deadline on the first request are the real fix (not done: py-libp2p's handler reads in a loop of its own)."""
+    A bootstrap node is every newcomer's first DHT peer: a crowd of joiners must not be refused. node/host.py's
+    ``bound_dht_streams`` hands a stream to the handler (and its slot) only once a request has arrived, and bounds
+    each stream's life; a per-peer cap is not done."""
     dht_slots(dht).total_tokens = most
 
 
