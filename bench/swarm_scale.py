@@ -818,8 +818,11 @@ class Capacity:
         """Accepted groups/s: what N samplers offer, unless the CPU needed to rebuild every version on N hosts
         (trainer included) is more than ``cores``, or more than one core in one of the ``procs`` sampler processes."""
         per_version = n * self.c_v / self.groups_per_version  # the samplers' CPU-s per accepted group, in rebuilds
-        by_cpu = (cores - n * (self.h + self.t)) / per_version if per_version > 0 else float("inf")
-        by_procs = (procs - n * self.h) / per_version if per_version > 0 else float("inf")
+        if per_version <= 0:  # versions cost nothing to install (patches): the hosts' own CPU binds, and past it
+            # each gets that share of what it needs (the upkeep was fitted at the offered pace, groups included)
+            return n * self.x_1 * min(1.0, cores / (n * (self.h + self.t)), procs / (n * self.h))
+        by_cpu = (cores - n * (self.h + self.t)) / per_version
+        by_procs = (procs - n * self.h) / per_version
         return max(0.0, min(n * self.x_1, by_cpu, by_procs))
 
     def saturation(self, cores: float, per_proc: int) -> float:
