@@ -394,7 +394,7 @@ async def join_bootstrap(swarm: Swarm, infos: list[PeerInfo], timeout: float) ->
 
 
 BOOTSTRAP_WELL_CONNECTED = 8  # other peers a node holds past which it does not need a bootstrap peer back at once
-BOOTSTRAP_RETRY_SETTLED = 900.0  # the longest such a node waits between tries (go-libp2p re-checks reachability so)
+BOOTSTRAP_RETRY_SETTLED = 900.0  # the longest such a node waits between tries (its records reach the trainer meanwhile)
 BOOTSTRAP_STABLE = 60.0  # a bootstrap connection that lived this long was not refused: its loss starts backoff over
 
 
