@@ -15,7 +15,7 @@ a Swarm through the protocols ``Dialer`` and ``DhtNode``).
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -291,11 +291,7 @@ def bound_dht_streams(host: IHost, dht: KadDHT) -> DhtServing:
         with trio.move_on_after(DHT_STREAM_SECONDS) as scope:
             if not await wrapped.first_request():
                 counts.empty += 1
-                with trio.CancelScope(shield=True), trio.move_on_after(1.0):
-                    try:
-                        await stream.close()
-                    except Exception:
-                        pass
+                await _end_quietly(stream.close)
                 return
             if slots.borrowed_tokens >= slots.total_tokens:
                 counts.refused += 1
@@ -304,14 +300,19 @@ def bound_dht_streams(host: IHost, dht: KadDHT) -> DhtServing:
             await dht.handle_stream(wrapped)  # type: ignore[arg-type]
         if scope.cancelled_caught:
             counts.cut += 1
-            with trio.CancelScope(shield=True), trio.move_on_after(1.0):
-                try:
-                    await stream.reset()
-                except Exception:
-                    pass
+            await _end_quietly(stream.reset)
 
     host.set_stream_handler(DHT_PROTOCOL, bounded)
     return counts
+
+
+async def _end_quietly(end: Callable[[], Awaitable[Any]]) -> None:
+    """Close or reset a stream even while cancelled, for 1 s at most; a failure is the peer gone, and ignored."""
+    with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+        try:
+            await end()
+        except Exception:
+            pass
 
 
 @asynccontextmanager

@@ -4,6 +4,7 @@ DHT provide waits its turn when they took its record."""
 
 from __future__ import annotations
 
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import multiaddr
@@ -190,22 +191,15 @@ def test_first_dht_provides_spread_over_the_window_when_a_trusted_peer_holds_the
     assert discovery.spread_point(ID(bytes([7, 1]) * 17), key) == points[1]  # fixed per node and key
 
 
-async def test_dht_streams_without_a_request_hold_no_slot_and_are_reset_after_their_bound(tmp_path, monkeypatch):
-    """py-libp2p resets every inbound DHT stream past 12 at once, and its handler takes a slot when a stream opens
-    and waits for the request without a deadline: 16 streams opened and left idle made the node refuse every
-    lookup. At 256 samplers, streams whose lagging askers had not yet written their request held a bootstrap
-    node's 64 slots. A stream now takes a slot only once its request has arrived, and one with no request is reset
-    after DHT_STREAM_SECONDS."""
+@asynccontextmanager
+async def dht_server_and_client(tmp_path):
+    """Two real hosts on loopback, connected: the server provides the trainer's key (``cid``) in its DHT."""
     import multiaddr
-    from libp2p.custom_types import TProtocol
     from libp2p.peer.peerinfo import info_from_p2p_addr
 
     from node import host as node_host
     from node.identity import load_or_create_key
-    from node.libp2p import dht_slots, providers_from_peer
 
-    monkeypatch.setattr(node_host, "DHT_HANDLERS", 4)
-    monkeypatch.setattr(node_host, "DHT_STREAM_SECONDS", 1.0)
     loopback = multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")
     async with (
         node_host.open_swarm(load_or_create_key(tmp_path / "server.key"), loopback) as server,
@@ -214,6 +208,23 @@ async def test_dht_streams_without_a_request_hold_no_slot_and_are_reset_after_th
         cid = discovery.dht_key(discovery.role_key("s", "trainer"))
         await server.dht.provide(cid)
         await client.connect(info_from_p2p_addr(server.addrs()[0]))
+        yield server, client, cid
+
+
+async def test_dht_streams_without_a_request_hold_no_slot_and_are_reset_after_their_bound(tmp_path, monkeypatch):
+    """py-libp2p resets every inbound DHT stream past 12 at once, and its handler takes a slot when a stream opens
+    and waits for the request without a deadline: 16 streams opened and left idle made the node refuse every
+    lookup. At 256 samplers, streams whose lagging askers had not yet written their request held a bootstrap
+    node's 64 slots. A stream now takes a slot only once its request has arrived, and one with no request is reset
+    after DHT_STREAM_SECONDS."""
+    from libp2p.custom_types import TProtocol
+
+    from node import host as node_host
+    from node.libp2p import dht_slots, providers_from_peer
+
+    monkeypatch.setattr(node_host, "DHT_HANDLERS", 4)
+    monkeypatch.setattr(node_host, "DHT_STREAM_SECONDS", 1.0)
+    async with dht_server_and_client(tmp_path) as (server, client, cid):
         held = [await client.host.new_stream(server.peer_id, [TProtocol("/ipfs/kad/1.0.0")]) for _ in range(16)]
         slots = dht_slots(server.dht)
         with trio.fail_after(10):
@@ -235,22 +246,11 @@ async def test_dht_streams_without_a_request_hold_no_slot_and_are_reset_after_th
 async def test_a_request_that_finds_every_dht_slot_taken_is_refused_and_counted(tmp_path, monkeypatch):
     """The slots bound the requests handled at once; one past them is reset (py-libp2p's rule) and the node's
     status counts it, so a saturated bootstrap node shows."""
-    import multiaddr
-    from libp2p.peer.peerinfo import info_from_p2p_addr
-
     from node import host as node_host
-    from node.identity import load_or_create_key
     from node.libp2p import dht_slots, providers_from_peer
 
     monkeypatch.setattr(node_host, "DHT_HANDLERS", 2)
-    loopback = multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")
-    async with (
-        node_host.open_swarm(load_or_create_key(tmp_path / "server.key"), loopback) as server,
-        node_host.open_swarm(load_or_create_key(tmp_path / "client.key"), loopback) as client,
-    ):
-        cid = discovery.dht_key(discovery.role_key("s", "trainer"))
-        await server.dht.provide(cid)
-        await client.connect(info_from_p2p_addr(server.addrs()[0]))
+    async with dht_server_and_client(tmp_path) as (server, client, cid):
         slots = dht_slots(server.dht)
         busy = [object(), object()]
         for borrower in busy:  # two requests in progress
@@ -267,26 +267,16 @@ async def test_an_answered_dht_stream_left_open_is_closed_and_frees_its_slot(tmp
     """A lagging asker reads its answer seconds before it closes its stream; py-libp2p's handler held the slot
     until then, and at 256 samplers a bootstrap node's slots were all held so. Now the node closes an answered
     stream DHT_IDLE_SECONDS after its answer: the slot frees, the asker reads a clean end, not a reset."""
-    import multiaddr
     import varint
     from libp2p.custom_types import TProtocol
     from libp2p.kad_dht.pb.kademlia_pb2 import Message
     from libp2p.network.stream.exceptions import StreamEOF
-    from libp2p.peer.peerinfo import info_from_p2p_addr
 
     from node import host as node_host
-    from node.identity import load_or_create_key
     from node.libp2p import dht_slots
 
     monkeypatch.setattr(node_host, "DHT_HANDLERS", 2)
-    loopback = multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")
-    async with (
-        node_host.open_swarm(load_or_create_key(tmp_path / "server.key"), loopback) as server,
-        node_host.open_swarm(load_or_create_key(tmp_path / "client.key"), loopback) as client,
-    ):
-        cid = discovery.dht_key(discovery.role_key("s", "trainer"))
-        await server.dht.provide(cid)
-        await client.connect(info_from_p2p_addr(server.addrs()[0]))
+    async with dht_server_and_client(tmp_path) as (server, client, cid):
         request = Message(type=Message.MessageType.GET_PROVIDERS, key=cid.encode()).SerializeToString()
         streams = []
         for _ in range(2):  # every slot, each answered and left open by its asker
