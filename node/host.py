@@ -399,33 +399,38 @@ BOOTSTRAP_RETRY_SETTLED = 900.0  # the longest such a node waits between tries (
 BOOTSTRAP_STABLE = 60.0  # a bootstrap connection that lived this long was not refused: its loss starts backoff over
 
 
-def bootstrap_redial_wait(others: int, losses: int, first: float, most: float) -> float:
+def bootstrap_redial_wait(others: int, losses: int, first: float, most: float, settles: bool = True) -> float:
     """Seconds before dialling again a bootstrap peer this node is not connected to, after ``losses`` (>= 1)
     failed dials or short-lived connections in a row: ``first`` doubling up to ``most``; a node holding
     ``BOOTSTRAP_WELL_CONNECTED`` other peers (the trainer, its mesh) waits ``most``, doubling up to
     ``BOOTSTRAP_RETRY_SETTLED``. A bootstrap node full of connections hangs up on its idlest (node/connmgr.py),
     which are settled samplers: redialled after 1 s, each took another's slot, which redialled in turn (124 such
     closures at the bootstrap in 5 minutes at N = 256, 250 slots). A settled node asks the trainer for records
-    meanwhile (discovery asks every trusted peer connected)."""
+    meanwhile (discovery asks every trusted peer connected). A bootstrap node never ``settles``: it wants its
+    sibling bootstrap nodes back as soon as they are up, however many peers it holds."""
     doubling = 2 ** min(max(losses, 1) - 1, 30)
-    if others >= BOOTSTRAP_WELL_CONNECTED:
+    if settles and others >= BOOTSTRAP_WELL_CONNECTED:
         return min(most * doubling, BOOTSTRAP_RETRY_SETTLED)
     return min(first * doubling, most)
 
 
 async def keep_bootstrap_peers(
-    swarm: Swarm, infos: list[PeerInfo], first: float = BOOTSTRAP_RETRY_FIRST, most: float = BOOTSTRAP_RETRY_MOST
+    swarm: Swarm,
+    infos: list[PeerInfo],
+    first: float = BOOTSTRAP_RETRY_FIRST,
+    most: float = BOOTSTRAP_RETRY_MOST,
+    settles: bool = True,
 ) -> None:
     """Keep a connection to every bootstrap peer: one that is down (a swarm's other bootstrap nodes while the
     first one starts, or one that restarts) or hung up is dialled again as ``bootstrap_redial_wait`` says."""
     bootstrap = frozenset(info.peer_id for info in infos)
     async with trio.open_nursery() as nursery:
         for info in infos:
-            nursery.start_soon(_keep_bootstrap_peer, swarm, info, bootstrap, first, most)
+            nursery.start_soon(_keep_bootstrap_peer, swarm, info, bootstrap, first, most, settles)
 
 
 async def _keep_bootstrap_peer(
-    swarm: Swarm, info: PeerInfo, bootstrap: frozenset[ID], first: float, most: float
+    swarm: Swarm, info: PeerInfo, bootstrap: frozenset[ID], first: float, most: float, settles: bool
 ) -> None:
     losses, failed, since = 0, False, None
     while True:
@@ -438,7 +443,7 @@ async def _keep_bootstrap_peer(
             losses = 0 if trio.current_time() - since >= BOOTSTRAP_STABLE else losses
             losses, since = losses + 1, None
             others = sum(1 for p in connected if p not in bootstrap)
-            await trio.sleep(bootstrap_redial_wait(others, losses, first, most))
+            await trio.sleep(bootstrap_redial_wait(others, losses, first, most, settles))
         try:
             await swarm.connect(info, timeout=10.0)
             log.info("bootstrap peer %s reached", info.peer_id)
@@ -450,4 +455,4 @@ async def _keep_bootstrap_peer(
             failed = True
             losses += 1
             others = sum(1 for p in swarm.host.get_connected_peers() if p not in bootstrap)
-            await trio.sleep(bootstrap_redial_wait(others, losses, first, most))
+            await trio.sleep(bootstrap_redial_wait(others, losses, first, most, settles))

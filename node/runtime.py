@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import resource
 import sys
+from functools import partial
 from typing import Any, Protocol
 
 import trio
@@ -108,7 +109,7 @@ async def run_node(config: NodeConfig, role: Role, *, task_status=trio.TASK_STAT
             len(others),
         )
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(keep_bootstrap_peers, swarm, others)
+            nursery.start_soon(partial(keep_bootstrap_peers, swarm, others, settles=config.role != "bootstrap"))
             nursery.start_soon(swarm.feed_routing_table, 1.0)
             nursery.start_soon(_report_status, config, swarm, role)
             nursery.start_soon(_run_role, role, swarm, nursery.cancel_scope)

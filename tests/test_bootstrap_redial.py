@@ -3,6 +3,8 @@ with backoff when the bootstrap keeps hanging up (a full bootstrap node closes i
 
 from __future__ import annotations
 
+from functools import partial
+
 import trio
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
@@ -29,6 +31,20 @@ def test_a_settled_node_waits_the_longest_backoff_and_doubles_it():
     assert [bootstrap_redial_wait(settled, n, 1.0, 60.0) for n in (1, 2, 3)] == [60.0, 120.0, 240.0]
     assert bootstrap_redial_wait(settled, 40, 1.0, 60.0) == BOOTSTRAP_RETRY_SETTLED
     assert bootstrap_redial_wait(settled - 1, 1, 1.0, 60.0) == 1.0
+    assert bootstrap_redial_wait(settled, 1, 1.0, 60.0, settles=False) == 1.0  # a bootstrap node wants its siblings
+
+
+async def test_a_bootstrap_node_redials_a_sibling_at_once_however_many_peers_it_holds(autojump_clock):
+    node = Node(BOOTSTRAP_WELL_CONNECTED * 4)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(partial(keep_bootstrap_peers, node, [PeerInfo(BOOT, [])], 1.0, 60.0, settles=False))
+        await trio.sleep(BOOTSTRAP_STABLE + 5)
+        node.host.connected.remove(BOOT)  # the sibling restarts
+        lost = trio.current_time()
+        while not node.dials:
+            await trio.sleep(0.5)
+        assert node.dials[0] - lost <= 2.0
+        nursery.cancel_scope.cancel()
 
 
 class Host:
