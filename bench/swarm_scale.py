@@ -97,15 +97,13 @@ def write_json(path: Path, data: Any) -> None:
 def boot_main(args: argparse.Namespace) -> None:
     import trio
 
-    from node.local_swarm import node_config, start
-    from node.roles.bootstrap import BootstrapRole
+    from node.local_swarm import start_bootstrap
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             # every sampler keeps a connection to the bootstrap node: as for the trainer, its --max-inbound must
             # cover N (a bootstrap node at the default 250 hangs up on its idlest peers, who come back later)
-            cfg = node_config(Path(args.root), "bootstrap", "bootstrap", max_inbound=max(250, args.count + 64))
-            boot = await start(nursery, cfg, BootstrapRole())
+            boot = await start_bootstrap(nursery, Path(args.root), max_inbound=max(250, args.count + 64))
             (Path(args.root) / "boot.addr").write_text(str(boot.swarm.addrs()[0]))
 
     trio.run(main)
@@ -614,7 +612,7 @@ def measure(run: Run, window: float) -> dict[str, Any]:
             proc_lags += d["lag"]
             finds += d["finds"]
     time.sleep(0.5)
-    t_b, cpu_b, m_b = run.trainer(), run.cpu(), machine_cpu()
+    t_b, cpu_b, m_b, boot = run.trainer(), run.cpu(), machine_cpu(), run.boot_status()
     s_b, procs = run.samplers()
     dt = t_b["time"] - t_a["time"]
     groups = t_b["groups_accepted"] - t_a["groups_accepted"]
@@ -672,8 +670,8 @@ def measure(run: Run, window: float) -> dict[str, Any]:
         # inbound DHT streams over the run: served, refused (every slot taken: the asker's lookup fails), cut at the
         # 10 s bound; the bootstrap node is every newcomer's first DHT peer
         "trainer_dht_streams": t_b.get("dht_streams", {}),
-        "boot_dht_streams": run.boot_status().get("dht_streams", {}),
-        "boot_connmgr": run.boot_status().get("connmgr", {}),
+        "boot_dht_streams": boot.get("dht_streams", {}),
+        "boot_connmgr": boot.get("connmgr", {}),
         # what the samplers' connection managers closed, and why, over the whole run (dead: no pong and nothing heard)
         "sampler_conn_counts": dict(sum((Counter(s.get("conn_counts", {})) for s in s_b.values()), Counter())),
         "sampler_connections_mean": statistics.fmean([s["connections"] for s in live]) if live else 0,

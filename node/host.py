@@ -433,17 +433,20 @@ async def _keep_bootstrap_peer(
     swarm: Swarm, info: PeerInfo, bootstrap: frozenset[ID], first: float, most: float, settles: bool
 ) -> None:
     losses, failed, since = 0, False, None
+
+    def wait() -> float:
+        others = sum(1 for p in swarm.host.get_connected_peers() if p not in bootstrap)
+        return bootstrap_redial_wait(others, losses, first, most, settles)
+
     while True:
-        connected = swarm.host.get_connected_peers()
-        if info.peer_id in connected:
+        if info.peer_id in swarm.host.get_connected_peers():
             since = trio.current_time() if since is None else since
             await trio.sleep(first)
             continue
         if since is not None:  # the connection was lost (hung up on, or the peer went down)
             losses = 0 if trio.current_time() - since >= BOOTSTRAP_STABLE else losses
             losses, since = losses + 1, None
-            others = sum(1 for p in connected if p not in bootstrap)
-            await trio.sleep(bootstrap_redial_wait(others, losses, first, most, settles))
+            await trio.sleep(wait())
         try:
             await swarm.connect(info, timeout=10.0)
             log.info("bootstrap peer %s reached", info.peer_id)
@@ -454,5 +457,4 @@ async def _keep_bootstrap_peer(
             log.log(level, "bootstrap peer %s not reached, trying again in the background: %s", info.peer_id, exc)
             failed = True
             losses += 1
-            others = sum(1 for p in swarm.host.get_connected_peers() if p not in bootstrap)
-            await trio.sleep(bootstrap_redial_wait(others, losses, first, most, settles))
+            await trio.sleep(wait())

@@ -70,8 +70,9 @@ async def start(nursery: trio.Nursery, config: NodeConfig, role: Any) -> Running
     return Running(role, swarm, config)
 
 
-async def start_bootstrap(nursery: trio.Nursery, root: Path) -> Running:
-    return await start(nursery, node_config(root, "bootstrap", "bootstrap"), BootstrapRole())
+async def start_bootstrap(nursery: trio.Nursery, root: Path, **config: Any) -> Running:
+    """A bootstrap node; keyword arguments set its NodeConfig fields (``max_inbound``, ...)."""
+    return await start(nursery, node_config(root, "bootstrap", "bootstrap", **config), BootstrapRole())
 
 
 async def start_trainer(
