@@ -24,6 +24,7 @@ errors, and the machine's CPU share of every process. Writes bench/results/swarm
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -98,6 +99,7 @@ def boot_main(args: argparse.Namespace) -> None:
     import trio
 
     from node.local_swarm import start_bootstrap
+    from node.runtime import quiet_gc
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
@@ -106,6 +108,7 @@ def boot_main(args: argparse.Namespace) -> None:
             boot = await start_bootstrap(nursery, Path(args.root), max_inbound=max(250, args.count + 64))
             (Path(args.root) / "boot.addr").write_text(str(boot.swarm.addrs()[0]))
 
+    quiet_gc()  # what `swarmrl node` does before its loop runs
     trio.run(main)
 
 
@@ -156,7 +159,7 @@ def trainer_main(args: argparse.Namespace) -> None:
     from node.intake import Busy
     from node.local_swarm import node_config, settings
     from node.roles.trainer import TrainerRole
-    from node.runtime import run_node
+    from node.runtime import quiet_gc, run_node
 
     root = Path(args.root)
     boot = multiaddr.Multiaddr((root / "boot.addr").read_text().strip())
@@ -228,6 +231,7 @@ def trainer_main(args: argparse.Namespace) -> None:
             nursery.start_soon(watch_published)
             nursery.start_soon(report, swarm)
 
+    quiet_gc()  # what `swarmrl node` does before its loop runs
     trio.run(main)
 
 
@@ -335,7 +339,7 @@ def samplers_main(args: argparse.Namespace) -> None:
 
     from node.local_swarm import node_config, settings, trainer_peer_id
     from node.roles.sampler import SamplerRole
-    from node.runtime import run_node
+    from node.runtime import quiet_gc, run_node
 
     torch.set_num_threads(1)
     root = Path(args.root)
@@ -459,18 +463,32 @@ def samplers_main(args: argparse.Namespace) -> None:
             conns["closed"] += 1
             remove_conn(self, conn)
 
+        gc_time: dict[str, list[float]] = {}  # generation -> [seconds, collections, objects collected]
+        gc_started = [0.0]
+
+        def gc_timer(phase: str, info: dict[str, int]) -> None:  # the collector's own time, inside task steps
+            if phase == "start":
+                gc_started[0] = time.thread_time()
+                return
+            entry = gc_time.setdefault(f"gen{info['generation']}", [0.0, 0, 0])
+            entry[0] += time.thread_time() - gc_started[0]
+            entry[1] += 1
+            entry[2] += info.get("collected", 0)
+
         NetStream.set_protocol, yamux.read_exactly = counting, reading  # type: ignore[method-assign]
         Network.add_conn, Network.remove_conn = adding, removing  # type: ignore[method-assign]
         trio.lowlevel.add_instrument(steps)
+        gc.callbacks.append(gc_timer)
         t0 = time.thread_time()
         await trio.sleep(seconds)
+        gc.callbacks.remove(gc_timer)
         trio.lowlevel.remove_instrument(steps)
         NetStream.set_protocol, yamux.read_exactly = set_protocol, read_exactly  # type: ignore[method-assign]
         Network.add_conn, Network.remove_conn = add_conn, remove_conn  # type: ignore[method-assign]
         write_json(root / f"profile-{args.first}.json", {
             "seconds": seconds, "identities": len(names), "loop_cpu": time.thread_time() - t0,
             "tasks": steps.totals(), "streams": dict(streams.most_common()), "frames": dict(frames.most_common()),
-            "connections": dict(conns),
+            "connections": dict(conns), "gc": gc_time, "gc_objects": len(gc.get_objects()),
         })  # fmt: skip
 
     nursery_ref: list[Any] = []
@@ -489,6 +507,7 @@ def samplers_main(args: argparse.Namespace) -> None:
             for i, name in enumerate(names):
                 nursery.start_soon(one, name, i * args.stagger)
 
+    quiet_gc()  # what `swarmrl node` does before its loop runs
     trio.run(main)
 
 
@@ -756,6 +775,9 @@ def profile_lines(p: dict[str, Any], top: int = 15) -> str:
         lines.append(f"  {count / secs / n:6.2f} yamux frames read/s per host  {kind}")
     for what, count in p.get("connections", {}).items():
         lines.append(f"  {count / secs / n:6.3f} connections {what}/s per host")
+    for gen, (cpu, runs, _) in sorted(p.get("gc", {}).items()):
+        lines.append(f"  {cpu / secs / n * 1e3:6.2f} ms/s per host in {runs / secs:.2f} {gen} collections/s "
+                     f"(the process holds {p.get('gc_objects', 0):,} objects)")  # fmt: skip
     return "\n".join(lines)
 
 

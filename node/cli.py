@@ -113,7 +113,7 @@ def build_role(config: NodeConfig, settings: Settings):
 
 
 def cmd_node(args: argparse.Namespace) -> int:
-    from node.runtime import run_node
+    from node.runtime import quiet_gc, run_node
 
     config = build_config(args)
     settings = load_settings(args)
@@ -124,6 +124,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         if serve_as_worker(settings.learner):  # torchrun's ranks 1..N-1 run rank 0's learner commands, no node
             return 0
     role = build_role(config, settings)
+    quiet_gc()
     trio.run(run_node, config, role)
     return 0
 

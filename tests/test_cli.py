@@ -167,3 +167,20 @@ def test_swarm_of_separate_processes(tmp_path, tiny_model_dir):
             p.terminate()
         for p in procs:
             p.wait(timeout=20)
+
+
+def test_a_node_process_keeps_what_it_built_before_running_out_of_the_collector():
+    """``quiet_gc`` (called by `swarmrl node` before its loop): the objects imported and built before the node
+    runs leave every later collection's walk, and young collections come every GC_YOUNG allocations."""
+    code = (
+        "import gc, node.roles.sampler, node.roles.trainer\n"
+        "from node.runtime import GC_YOUNG, quiet_gc\n"
+        "before = len(gc.get_objects())\n"
+        "quiet_gc()\n"
+        "print(before, gc.get_freeze_count(), len(gc.get_objects()), gc.get_threshold()[0] == GC_YOUNG)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    before, frozen, walked, young = out.stdout.split()
+    assert int(before) > 100_000  # torch, transformers, py-libp2p: what every full collection walked before
+    assert int(frozen) > 0.9 * int(before) and int(walked) < 0.05 * int(before)
+    assert young == "True"
