@@ -601,19 +601,25 @@ class Run:
 
 
 def progress(run: Run, t0: float) -> dict[str, Any]:
+    from node.settings import TrainerSettings
+
     t = run.trainer()
     stats, _ = run.samplers()
     found = sum(1 for s in stats.values() if "trainer_found" in s)
     working = sum(1 for s in stats.values() if s["accepted"] > 0)
+    # past its trusted_after groups a sampler no longer draws on the trainer's newcomer budgets: settled
+    settled_at = TrainerSettings().trusted_after * TRAINER["group_size"]
+    settled = sum(1 for s in stats.values() if s["accepted"] >= settled_at)
     lag = t["lag"]
     print(
         f"  N={run.n} t={time.time() - t0:5.0f}s joined {sum('joined' in s for s in stats.values())}/{run.n} "
-        f"found trainer {found} accepted>0 {working} | trainer: groups {t['groups_accepted']} step {t['step']} "
+        f"found trainer {found} accepted>0 {working} settled {settled} | trainer: groups {t['groups_accepted']} "
+        f"step {t['step']} "
         f"v{t['version']} peers {t['peers']} conns {t['connections']} lag p99 {pct(lag, 0.99) * 1e3:.0f} ms "
         f"rss {t['rss_mb']:.0f} MB busy-leases {t['leases_busy']} dead {run.dead()}",
         flush=True,
     )
-    return {"working": working, "trainer": t}
+    return {"working": working, "settled": settled, "trainer": t}
 
 
 def measure(run: Run, window: float) -> dict[str, Any]:
@@ -742,8 +748,8 @@ def one_n(n: int, args: argparse.Namespace, model: Path) -> dict[str, Any]:
         while time.time() < deadline:
             time.sleep(5)
             p = progress(run, t0)
-            if p["working"] >= 0.95 * n and time.time() - t0 > args.join_seconds + 20:
-                break
+            if p["settled"] >= 0.95 * n and time.time() - t0 > args.join_seconds + 20:
+                break  # a steady state: the samplers past their newcomer budgets, not still earning a record
             if run.dead():
                 break
         ramp = time.time() - t0

@@ -212,6 +212,34 @@ def test_the_pool_grace_is_twice_the_measured_first_return_within_a_quarter_and_
     assert pool_grace([10.0] * 40 + [10_000.0] * 20, 120.0) == 30.0  # a third of slow returns move the median little
 
 
+def test_the_newcomers_pool_grows_with_the_leases_peers_with_a_record_hold():
+    from node.intake.leases import pool_size
+
+    assert pool_size(64, 0) == 64  # a new swarm: the floor
+    assert pool_size(64, 10) == 64
+    assert pool_size(64, 200) == 200  # as many as the peers with a record hold: never more than half of all
+
+
+def test_newcomers_may_hold_as_many_leases_as_the_peers_with_a_record_hold(tmp_path, monkeypatch):
+    """At N = 128-256 with 64 s groups the fixed pool of 64 let newcomers return ~1 group/s in all while most of
+    the swarm was still earning its record (bench/swarm_scale). The pool now follows the trusted peers' leases."""
+    from node.intake.leases import NEWCOMER_POOL
+
+    intake = make_intake(tmp_path)
+    book = intake.leases
+    trusted = NEWCOMER_POOL + 36
+    for k in range(trusted):
+        book.issue(f"trusted{k}", 1, 0)
+    later(monkeypatch, 2.0)  # the count is refreshed each second
+    for k in range(trusted):
+        assert book.refusal(f"new{k}", newcomer=True) is None
+        book.issue(f"new{k}", 1, 0, newcomer=True)
+    refused = book.refusal("one_more", newcomer=True)
+    assert refused is not None and f"the {trusted} leases" in refused[0]
+    later(monkeypatch, book.ttl + 1)  # every trusted lease past its ttl: the pool is back at its floor
+    assert book.trusted_open(time.monotonic()) == 0
+
+
 async def test_slow_honest_newcomers_keep_their_leases_past_a_quarter_of_the_lease(tmp_path, monkeypatch):
     """At N = 256 with samplers taking 64 s a group, newcomers took back each other's leases after the fixed
     30 s grace, before any group could come back: nothing was accepted. The grace now follows what the trainer

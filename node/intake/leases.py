@@ -9,8 +9,9 @@ record (never to one that held it before), so a sampler cannot censor prompts by
 never sent back (its leases expired) are counted, fading with time, and a peer leaving far more of its seeds
 unreturned than the swarm's typical peer stops getting leases (``refuses_leases``). Peers without an accepted
 record share one pool of open leases (``pool_decision``): fresh identities are free, so their total is bounded, not
-each one's. When the pool is full a newcomer may take back the oldest pool lease once it has had ``pool_grace``
-seconds, twice what the swarm's recent leases took to bring a first group back (as the trainer measured it).
+each one's, to 64 or as many as the peers with a record hold (``pool_size``), whichever is more. When the pool is
+full a newcomer may take back the oldest pool lease once it has had ``pool_grace`` seconds, twice what the swarm's
+recent leases took to bring a first group back (as the trainer measured it).
 """
 
 from __future__ import annotations
@@ -65,6 +66,16 @@ def pool_grace(first_returns: list[float], ttl: float) -> float:
     if not first_returns:
         return ttl / 4
     return min(ttl, max(ttl / 4, 2.0 * statistics.median(first_returns)))
+
+
+def pool_size(floor: int, trusted_open: int) -> int:
+    """How many open leases the peers without an accepted record may hold together: ``floor`` (what a new swarm
+    starts with), or as many as the peers with a record hold now (``trusted_open``, within their ttl), whichever is
+    more. Onboarding then grows with the swarm, and fresh identities never hold more than half the open leases. A
+    fixed 64 capped a growing swarm's intake: a sampler stays a newcomer until 4 groups were accepted, so at
+    64 s a group the pool let newcomers return ~1 group/s in all, and at N = 128-256 (bench/swarm_scale) every
+    sampler still earning its record waited for a place while the trainer idled."""
+    return max(floor, trusted_open)
 
 
 @dataclass(frozen=True)
@@ -146,6 +157,7 @@ class LeaseBook:
         self.requeued: deque[tuple[int, tuple[str, ...]]] = deque()  # (seed, peers that held it), oldest first
         self.returns: dict[str, Returns] = {}  # least recently leased first
         self._median = (0.0, -MEDIAN_EVERY)  # (value, when computed)
+        self._trusted = (0, -MEDIAN_EVERY)  # (open leases of peers with a record, when counted)
         self.issued = 0
         self.seeds_reissued = 0
         self.seeds_given_up = 0
@@ -185,12 +197,28 @@ class LeaseBook:
         self._trim_pool(now)
         held = sum(self._leases[lid].peer == peer for lid in self._pool)
         pool = [(lid, self._leases[lid].issued_at) for lid in self._pool]
-        decision = pool_decision(held, pool, self.pool_size, self.pool_grace(), now)
+        size = pool_size(self.pool_size, self.trusted_open(now))
+        decision = pool_decision(held, pool, size, self.pool_grace(), now)
         if decision.revoke is not None:
             self._revoke(decision.revoke)
         if decision.wait is not None:
-            return f"the {self.pool_size} leases for peers without an accepted record are all out", decision.wait
+            return f"the {size} leases for peers without an accepted record are all out", decision.wait
         return None
+
+    def trusted_open(self, now: float) -> int:
+        """Open leases (within their ttl) of peers with an accepted record, counted at most every
+        ``MEDIAN_EVERY`` seconds: the newcomers' pool follows it (``pool_size``)."""
+        count, at = self._trusted
+        if now - at < MEDIAN_EVERY:
+            return count
+        cutoff = now - self.ttl
+        count = 0
+        for rec in reversed(self._leases.values()):  # newest first: stop at the first one past its ttl
+            if rec.issued_at < cutoff:
+                break
+            count += not rec.newcomer
+        self._trusted = (count, now)
+        return count
 
     def pool_grace(self) -> float:
         """How long a newcomer's lease is safe from being taken back (``pool_grace``)."""
