@@ -20,7 +20,7 @@ import secrets
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from protocols.work import SamplingParams, TaskSpec, WorkLease
@@ -170,13 +170,15 @@ class LeaseBook:
         self._expire()
         if not self.open_by_peer.get(peer):
             return 0
-        cutoff = time.monotonic() - self.ttl
-        held = 0
-        for rec in reversed(self._leases.values()):  # newest first: stop at the first one past its ttl
+        return sum(rec.peer == peer for rec in self._within_ttl(time.monotonic()))
+
+    def _within_ttl(self, now: float) -> Iterator[LeaseRecord]:
+        """The leases still within their ttl, newest first (kept in issue order: it stops at the first past it)."""
+        cutoff = now - self.ttl
+        for rec in reversed(self._leases.values()):
             if rec.issued_at < cutoff:
-                break
-            held += rec.peer == peer
-        return held
+                return
+            yield rec
 
     def refusal(self, peer: str, newcomer: bool) -> tuple[str, float] | None:
         """Why ``peer`` gets no lease now, and when to ask again; None: it may have one (a hoarder's oldest pool
@@ -211,12 +213,7 @@ class LeaseBook:
         count, at = self._trusted
         if now - at < MEDIAN_EVERY:
             return count
-        cutoff = now - self.ttl
-        count = 0
-        for rec in reversed(self._leases.values()):  # newest first: stop at the first one past its ttl
-            if rec.issued_at < cutoff:
-                break
-            count += not rec.newcomer
+        count = sum(not rec.newcomer for rec in self._within_ttl(now))
         self._trusted = (count, now)
         return count
 
