@@ -335,22 +335,36 @@ class _Idle:
 
 class StreamPool:
     """Streams a request left open, by (local host, peer, protocol), for the next request to the same place. At
-    most ``per_key`` are kept, none longer than ``max_idle`` seconds (under the server's ``IDLE_TIMEOUT``)."""
+    most ``per_key`` are kept, none reused past ``max_idle`` seconds (under the server's ``IDLE_TIMEOUT``): the next
+    request to the same place closes those (a connection's close resets whatever is left)."""
 
     def __init__(self, per_key: int = 8, max_idle: float = IDLE_TIMEOUT / 2) -> None:
         self.per_key = per_key
         self.max_idle = max_idle
         self.idle: dict[tuple[str, str, str], list[_Idle]] = {}
 
-    def take(self, key: tuple[str, str, str]) -> INetStream | None:
+    def take(self, key: tuple[str, str, str]) -> tuple[INetStream | None, list[INetStream]]:
+        """(a kept stream to reuse, or None; the streams kept past ``max_idle``, which the caller must close).
+
+        A stream dropped without a close is never released: py-libp2p frees a stream's slot in its host-wide stream
+        semaphore (10,000, shared by inbound and outbound streams; a full one makes every new stream wait) only on
+        a close or a reset, and the peer's idle close alone does not do it. A sampler dropped one or two a minute."""
         entries = self.idle.get(key)
         now = trio.current_time()
-        while entries:
+        stale: list[INetStream] = []
+        kept: INetStream | None = None
+        while entries and kept is None:
             entry = entries.pop()
             if now - entry.since < self.max_idle:
-                return entry.stream
-        self.idle.pop(key, None)
-        return None
+                kept = entry.stream
+            else:
+                stale.append(entry.stream)
+        if entries:  # older than the one taken: stale before it is
+            stale += [e.stream for e in entries if now - e.since >= self.max_idle]
+            entries[:] = [e for e in entries if now - e.since < self.max_idle]
+        if not entries:
+            self.idle.pop(key, None)
+        return kept, stale
 
     def give(self, key: tuple[str, str, str], stream: INetStream) -> bool:
         entries = self.idle.setdefault(key, [])
@@ -427,7 +441,9 @@ async def request(
     key = (str(host.get_id()), str(peer_id), protocol)
     with trio.fail_after(timeout):
         while True:
-            kept = pool.take(key)
+            kept, stale = pool.take(key)
+            for old in stale:
+                await _close(old)
             stream = kept or await open_stream(host, peer_id, protocol)
             try:
                 await write_message(stream, message, max_request)
@@ -449,7 +465,9 @@ async def request(
 
 
 async def _close(stream: INetStream) -> None:
+    """Close a stream we are done with, or reset it where the close fails: either releases its slot in its host
+    (``StreamPool.take``); a close that raised left it held."""
     try:
         await stream.close()
     except Exception:
-        pass
+        await _reset(stream)

@@ -114,3 +114,28 @@ async def test_a_good_answer_is_read_once_and_the_data_follows():
     stream = LazyStream(Scripted(ok + b"datamore"), ECHO)  # type: ignore[arg-type]
     assert await stream.read(4) == b"data"
     assert await stream.read(4) == b"more"
+
+
+@pytest.mark.trio
+async def test_a_kept_stream_past_its_idle_time_is_closed_not_dropped():
+    """A dropped stream stays in its connection for good, and in py-libp2p's host-wide stream semaphore (10,000
+    slots, inbound and outbound alike: a full one makes every new stream wait). The pool once dropped stale streams
+    unclosed: a sampler leasing once a minute lost a slot or two a minute, and was deaf after a few days."""
+    a, b = build_host(create_new_key_pair()), build_host(create_new_key_pair())
+    with trio.fail_after(30):
+        async with a.run([LISTEN]), b.run([LISTEN]):
+            b.set_stream_handler(ECHO, serve("echo", echo, max_request=1024, max_reply=1024))
+            await a.connect(info(b))
+            pool = StreamPool()
+            key = (str(a.get_id()), str(b.get_id()), ECHO)
+            for n in range(5):
+                reply = await request(a, b.get_id(), ECHO, {"v": 1, "t": "echo", "n": n}, max_request=1024,
+                                      max_reply=1024, pool=pool)  # fmt: skip
+                assert reply["n"] == n
+                for entry in pool.idle[key]:
+                    entry.since -= pool.max_idle  # idle too long: the next request opens a fresh stream
+            (conn,) = a.get_network().get_connections(b.get_id())
+            assert len(conn.streams) == 1, conn.streams  # the one kept; the four stale ones were closed
+            (server_side,) = b.get_network().get_connections(a.get_id())
+            while len(server_side.streams) > 1:  # their handlers saw the close and ended them
+                await trio.sleep(0.01)
