@@ -610,10 +610,12 @@ def progress(run: Run, t0: float) -> dict[str, Any]:
     # past its trusted_after groups a sampler no longer draws on the trainer's newcomer budgets: settled
     settled_at = TrainerSettings().trusted_after * TRAINER["group_size"]
     settled = sum(1 for s in stats.values() if s["accepted"] >= settled_at)
+    engines = sum(1 for s in stats.values() if s["installed"])  # a sampler works only once it holds a version
     lag = t["lag"]
     print(
         f"  N={run.n} t={time.time() - t0:5.0f}s joined {sum('joined' in s for s in stats.values())}/{run.n} "
-        f"found trainer {found} accepted>0 {working} settled {settled} | trainer: groups {t['groups_accepted']} "
+        f"found trainer {found} with an engine {engines} accepted>0 {working} settled {settled} | trainer: groups "
+        f"{t['groups_accepted']} "
         f"step {t['step']} "
         f"v{t['version']} peers {t['peers']} conns {t['connections']} lag p99 {pct(lag, 0.99) * 1e3:.0f} ms "
         f"rss {t['rss_mb']:.0f} MB busy-leases {t['leases_busy']} dead {run.dead()}",
@@ -672,6 +674,8 @@ def measure(run: Run, window: float) -> dict[str, Any]:
         "rollouts_per_s": groups * TRAINER["group_size"] / dt,
         "samplers_accepting": sum(1 for v in accepted_by.values() if v > 0),
         "samplers_joined": len(live),
+        # a sampler samples only once it has installed a version: at N = 256 the stall was newcomers without one
+        "samplers_with_engine": sum(1 for s in s_b.values() if s.get("installed")),
         "trainer_cores": trainer_cpu / dt,
         "trainer_cpu_per_group": trainer_cpu / max(groups, 1),
         "sampler_cores": sampler_cpu / dt,
@@ -799,7 +803,8 @@ def report_line(r: dict[str, Any]) -> str:
 
     return (
         f"N={r['n']:5d} ({r['procs']} sampler procs): {r['groups_per_s']:6.2f} groups/s accepted "
-        f"({r['samplers_accepting']}/{r['samplers_joined']} samplers accepting) | trainer {r['trainer_cores']:.2f} "
+        f"({r['samplers_accepting']}/{r['samplers_joined']} samplers accepting, "
+        f"{r.get('samplers_with_engine', float('nan'))} with an engine) | trainer {r['trainer_cores']:.2f} "
         f"cores, {r['trainer_cpu_per_group'] * 1e3:.1f} ms CPU/group, verify {r['verify_per_s']:.2f} s/s, "
         f"lag p50/p99/max {r['lag_p50_ms']:.0f}/{r['lag_p99_ms']:.0f}/{r['lag_max_ms']:.0f} ms, "
         f"{r['trainer_connections']} conns, RSS {r['trainer_rss_mb']:.0f} MB | samplers {r['sampler_cores']:.2f} "
