@@ -148,6 +148,22 @@ def test_the_peer_set_keeps_its_members_and_fills_up_in_the_given_order():
     assert policy.superseded([1, 2], {3}) and not policy.superseded([1, 2], {2})
 
 
+def test_have_polls_space_out_as_a_download_ages():
+    """A version's polls cost each host CPU in proportion to its download's length, and long downloads were the
+    loaded swarm's: a short download is polled at the base interval, a long one ever less often, up to a cap."""
+    base = 0.5
+    assert policy.poll_interval(base, 0.0) == base and policy.poll_interval(base, policy.POLLS_SLOW_AFTER) == base
+    later = [policy.poll_interval(base, t) for t in (4.0, 8.0, 16.0, 32.0, 600.0)]
+    assert later == sorted(later) and later[0] > base
+    assert later[-1] == base * policy.POLL_INTERVAL_CAP
+    # polls of one peer over a 60 s download: a fraction of the 120 at the base interval
+    t, polls = 0.0, 0
+    while t < 60.0:
+        t += policy.poll_interval(base, t)
+        polls += 1
+    assert polls < 120 / 4, polls
+
+
 def test_only_newer_versions_are_chased_and_announcers_of_nothing_are_struck():
     assert policy.is_news(5, current=4, target=None)
     assert not policy.is_news(4, current=4, target=None)

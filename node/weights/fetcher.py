@@ -266,13 +266,16 @@ class Download:
         return out
 
     async def _poll_haves(self, nursery: trio.Nursery) -> None:
-        """Ask the neighbours what they hold, every ``have_interval`` (sooner when a worker has run out of chunks it
-        knows where to get), but not those known to hold everything nor those a chunk reply told us about lately,
-        and no one while a planned push brings every chunk still missing (``policy.push_pending``)."""
+        """Ask the neighbours what they hold, every ``have_interval`` at first and less often as the download ages
+        (``policy.poll_interval``; the loop looks sooner when a worker has run out of chunks it knows where to get),
+        but not those known to hold everything nor those a chunk reply told us about lately, and no one while a
+        planned push brings every chunk still missing (``policy.push_pending``)."""
         interval = self.settings.have_interval
         total = len(self.layout.chunks)
+        started = trio.current_time()
         while True:
             now = trio.current_time()
+            every = policy.poll_interval(interval, now - started)
             pending = policy.push_pending(self.missing, self.expected_indices(), now)
             if pending is not None:  # a push brings all that is missing: no polls (here and at the peers) till due
                 with trio.move_on_after(min(pending, interval)):
@@ -281,7 +284,7 @@ class Download:
             stale = [
                 p
                 for p in self.neighbours()
-                if policy.due_for_poll(len(self.holders.get(p, ())), total, self.heard.get(p), now, interval)
+                if policy.due_for_poll(len(self.holders.get(p, ())), total, self.heard.get(p), now, every)
             ]
             async with trio.open_nursery() as polls:
                 for peer in stale:
