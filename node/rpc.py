@@ -349,21 +349,13 @@ class StreamPool:
         A stream dropped without a close is never released: py-libp2p frees a stream's slot in its host-wide stream
         semaphore (10,000, shared by inbound and outbound streams; a full one makes every new stream wait) only on
         a close or a reset, and the peer's idle close alone does not do it. A sampler dropped one or two a minute."""
-        entries = self.idle.get(key)
+        entries = self.idle.pop(key, [])
         now = trio.current_time()
-        stale: list[INetStream] = []
-        kept: INetStream | None = None
-        while entries and kept is None:
-            entry = entries.pop()
-            if now - entry.since < self.max_idle:
-                kept = entry.stream
-            else:
-                stale.append(entry.stream)
-        if entries:  # older than the one taken: stale before it is
-            stale += [e.stream for e in entries if now - e.since >= self.max_idle]
-            entries[:] = [e for e in entries if now - e.since < self.max_idle]
-        if not entries:
-            self.idle.pop(key, None)
+        fresh = [e for e in entries if now - e.since < self.max_idle]
+        stale = [e.stream for e in entries if now - e.since >= self.max_idle]
+        kept = fresh.pop().stream if fresh else None  # the newest: given last
+        if fresh:
+            self.idle[key] = fresh
         return kept, stale
 
     def give(self, key: tuple[str, str, str], stream: INetStream) -> bool:
