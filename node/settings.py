@@ -98,14 +98,16 @@ class SamplerSettings:
     )
     encoding: str = knob(
         "native",
-        "weights encoding this sampler downloads: native (the version as published), int8-grid (MLX's own 8-bit "
-        "group codes, patched code by code: ~7x smaller patches; the trainer then publishes a second chain), or auto "
-        "(int8-grid for an MLX 8-bit engine computing in bf16 or fp32, native otherwise)",
+        "weights encoding this sampler downloads: native (the version as published), int8-grid or int4-grid (MLX's "
+        "own 8-bit or 4-bit group codes, patched code by code: ~7x smaller patches at 8 bits; the trainer then "
+        "publishes a second chain), or auto (the grid of an MLX 8- or 4-bit engine computing in bf16 or fp32, native "
+        "otherwise)",
         flag="receive-encoding",
-        choices=("auto", "native", "int8-grid"),
+        choices=("auto", "native", "int8-grid", "int4-grid"),
         moot=lambda s: (
-            "int8-grid runs only on an MLX engine with 8-bit weights computing in bf16 or fp32 (--engine mlx --bits 8)"
-            if s.encoding == "int8-grid" and received_encoding(s.engine, s.bits, s.compute, "auto") != "int8-grid"
+            f"{s.encoding} runs only on an MLX engine with {s.encoding[3]}-bit weights computing in bf16 or fp32 "
+            f"(--engine mlx --bits {s.encoding[3]})"
+            if s.encoding.endswith("-grid") and received_encoding(s.engine, s.bits, s.compute, "auto") != s.encoding
             else None
         ),
     )

@@ -15,9 +15,10 @@ read.
 Manifest body, format 2 (format 1, without ``format``, tensor hashes or ``patch``, is still read):
 
 - ``tensors[i].hash``: blake3 of tensor i's bytes in the version's ``model.safetensors`` (every tensor).
-- ``encoding``: ``native`` (the learner's dtypes), ``int8`` (rowwise) or ``int8-grid`` (MLX's 8-bit affine group
+- ``encoding``: ``native`` (the learner's dtypes), ``int8`` (rowwise), ``int8-grid`` (MLX's 8-bit affine group
   codes, U8, with bf16 ``.scales``/``.biases`` per 64 elements, each group's grid frozen from its anchor:
-  node/weights/grid.py). ``native`` and ``int8-grid`` versions may carry a patch.
+  node/weights/grid.py) or ``int4-grid`` (the same at 4 bits, two codes a byte as MLX packs them). ``native`` and
+  the grid encodings may carry a patch.
 - ``patch`` (optional): the version as a sparse patch of its parent's weights file. A version reaches a node by
   one of two *routes*: ``full`` (every chunk of ``files``; only when ``files`` holds ``model.safetensors``: an
   *anchor*) or ``patch`` (the parent's weights file, rebuilt bit-exactly, plus ``patch.chunks`` and the other
@@ -96,8 +97,8 @@ MAX_REQUEST_FRAME = 1 << 16
 MAX_REPLY_FRAME = MAX_CHUNKS_PER_REQUEST * MAX_CHUNK_SIZE + (1 << 16)
 MAX_FILES = 64
 MAX_TENSORS = 1 << 16
-ENCODINGS = ("native", "int8", "fp32", "int8-grid")  # "fp32": what "native" was called before bf16 versions
-PATCHED_ENCODINGS = ("native", "int8-grid")  # int8-grid: MLX int8 codes on a frozen grid (node/weights/grid.py)
+ENCODINGS = ("native", "int8", "fp32", "int8-grid", "int4-grid")  # "fp32": what "native" was called before bf16
+PATCHED_ENCODINGS = ("native", "int8-grid", "int4-grid")  # MLX int8/int4 codes on a frozen grid (node/weights/grid.py)
 GOSSIP_MAX = 1 << 16
 # a map and a list per file and per tensor, and a list per patched tensor
 MANIFEST_CONTAINERS = 2 * MAX_FILES + 3 * MAX_TENSORS + 32
@@ -117,7 +118,7 @@ MAX_PUSH_REPLY = 1 << 10
 PUSH_CONTAINERS = 2 * MAX_PUSH_CHUNKS + 16
 INDEX_GAPS, INDEX_BITMAP = 0, 1
 DEFAULT_ENCODING = "native"  # what every sampler can run and the trainer always publishes
-RECEIVED_ENCODINGS = ("native", "int8-grid")  # what a sampler may ask for (the trainer publishes no other)
+RECEIVED_ENCODINGS = ("native", "int8-grid", "int4-grid")  # what a sampler may ask for (the trainer publishes no other)
 MAX_ENCODING_NAME = 16
 
 
@@ -157,7 +158,7 @@ class Manifest:
     version: int
     parent: int  # -1 for the first version
     encoding: str  # how model.safetensors is stored: "native" (as published: bf16 or fp32), "int8" (rowwise) or
-    # "int8-grid" (MLX's 8-bit group codes on a grid frozen at the anchor: node/weights/grid.py)
+    # "int8-grid"/"int4-grid" (MLX's 8-/4-bit group codes on a grid frozen at the anchor: node/weights/grid.py)
     chunk_size: int
     files: list[FileEntry]
     tensors: list[TensorEntry]

@@ -15,8 +15,8 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from node.engines import weights_encoding
-from node.weights.encodings import encodings_to_publish, news_floor, push_encoding, takes
-from node.weights.grid import GRID_ENCODING, encode_grid_file, mlx_tensors
+from node.weights.encodings import encodings_to_publish, news_floor, offered_encodings, push_encoding, takes
+from node.weights.grid import GRID_ENCODING, encode_grid_file, file_grid_bits, mlx_tensors
 from node.weights.hashes import manifest_id
 from node.weights.manifest import WEIGHTS_FILE
 from node.weights.publish import Publisher
@@ -40,6 +40,13 @@ def test_the_trainer_publishes_what_connected_unbanned_samplers_declared_and_not
     assert encodings_to_publish(declared, {"b", "evil"}, lambda p: p == "evil") == []  # banned and gone: none
     assert encodings_to_publish({"x": "int4", "y": "native"}, {"x", "y"}, lambda p: False) == []  # unknown: never
     assert push_encoding(None) == "native" and push_encoding("int8-grid") == "int8-grid"
+    # int4-grid only where the trainer trains on q4 rollouts (by default it does not: none,q8)
+    both = {"a": "int4-grid", "b": "int8-grid"}
+    assert offered_encodings(("none", "q8")) == ("native", "int8-grid")
+    assert offered_encodings(("none", "q8", "q4")) == ("native", "int8-grid", "int4-grid")
+    assert offered_encodings(("none",)) == ("native",)
+    assert encodings_to_publish(both, {"a", "b"}, lambda p: False, offered_encodings(("none", "q8"))) == ["int8-grid"]
+    assert encodings_to_publish(both, {"a", "b"}, lambda p: False) == ["int8-grid", "int4-grid"]
 
 
 def test_a_sampler_takes_its_own_encoding_and_the_default_only_until_its_own_came():
@@ -55,7 +62,8 @@ def test_a_sampler_takes_its_own_encoding_and_the_default_only_until_its_own_cam
     assert news_floor((4, "int8-grid"), "int8-grid", "int8-grid") == 4 and news_floor(None, "native", "native") is None
     assert news_floor((4, "native"), "native", "native") == 4
     assert weights_encoding("mlx", "8", "auto") == "int8-grid" and weights_encoding("mlx", "8", "fp32") == "int8-grid"
-    assert weights_encoding("mlx", "8", "fp16") == "native" and weights_encoding("mlx", "4") == "native"
+    assert weights_encoding("mlx", "8", "fp16") == "native" and weights_encoding("mlx", "4") == "int4-grid"
+    assert weights_encoding("mlx", "4", "fp16") == "native" and weights_encoding("mlx", "none") == "native"
     assert weights_encoding("torch", "none") == "native" and weights_encoding("auto", "8", platform="linux") == "native"
 
 
@@ -63,6 +71,7 @@ def test_the_encoding_fields_are_optional_bounded_and_known():
     assert w.parse_encoding(wire(w.get_manifest(None, "int8-grid"))) == "int8-grid"
     assert w.parse_encoding(wire(w.get_manifest(None))) is None
     assert w.parse_request(wire(w.get_manifest(None, "int8-grid"))) == ("get_manifest", None)  # old servers: newest
+    assert w.parse_encoding(wire(w.get_manifest(None, "int4-grid"))) == "int4-grid"
     for bad in ("int4", "x" * 100, 7):
         with pytest.raises(SchemaError):
             w.parse_encoding({**w.get_manifest(None), "encoding": bad})
@@ -136,9 +145,11 @@ def test_a_model_dir_built_in_one_encoding_is_not_built_in_another(tmp_path, tin
 
 
 # -- the MLX engine -----------------------------------------------------------------------------------------------
-def test_an_mlx_int8_engine_runs_an_int8_grid_version_as_it_is(tmp_path, tiny_model_dir):
-    """Built from a grid dir, hot-swapped to another, updated by the tensors a patch changed: every parameter is
-    the file's bytes, and it generates as the same grid loaded into a fresh engine."""
+@pytest.mark.parametrize("bits", [8, 4])
+def test_an_mlx_engine_runs_a_grid_version_of_its_width_as_it_is(tmp_path, tiny_model_dir, bits):
+    """An MLX int8 (int4) engine and an int8-grid (int4-grid) version: built from a grid dir, hot-swapped to another,
+    updated by the tensors a patch changed: every parameter is the file's bytes, and it generates as the same grid
+    loaded into a fresh engine. An engine of another width refuses the version clearly."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
@@ -153,7 +164,7 @@ def test_an_mlx_int8_engine_runs_an_int8_grid_version_as_it_is(tmp_path, tiny_mo
         d = save_model_dir(model, tmp_path / f"bf16-{v}", tiny_model_dir, torch.bfloat16)
         g = tmp_path / f"grid-{v}"
         shutil.copytree(d, g)
-        encode_grid_file(d / WEIGHTS_FILE, g / WEIGHTS_FILE, dirs[-1] / WEIGHTS_FILE if dirs else None)
+        encode_grid_file(d / WEIGHTS_FILE, g / WEIGHTS_FILE, dirs[-1] / WEIGHTS_FILE if dirs else None, bits=bits)
         dirs.append(g)
 
     def same_as_file(engine, grid_dir: Path) -> None:
@@ -164,8 +175,8 @@ def test_an_mlx_int8_engine_runs_an_int8_grid_version_as_it_is(tmp_path, tiny_mo
             got = np.array(x.view(mx.uint16) if x.dtype == mx.bfloat16 else x)
             assert np.array_equal(got, file[name]), name
 
-    engine = make_engine("mlx", dirs[0], bits=8, version=0)
-    assert engine.quant == "q8" and engine.compute == "bf16"
+    engine = make_engine("mlx", dirs[0], bits=bits, version=0)
+    assert engine.quant == f"q{bits}" and engine.compute == "bf16"
     same_as_file(engine, dirs[0])
     engine.swap(dirs[1], 1)
     same_as_file(engine, dirs[1])
@@ -177,24 +188,27 @@ def test_an_mlx_int8_engine_runs_an_int8_grid_version_as_it_is(tmp_path, tiny_mo
     assert np.array_equal(np.array(params["model.layers.0.mlp.up_proj.weight"]), file[next(iter(changed))])
     engine.update(dirs[1], 1, WeightChanges(0, 1, {n: np.arange(1) for n in file}))
     same_as_file(engine, dirs[1])
-    fresh = make_engine("mlx", dirs[1], bits=8, version=1)
+    fresh = make_engine("mlx", dirs[1], bits=bits, version=1)
     kw = dict(temperature=1.0, top_p=1.0, max_tokens=6, seed=3)
     assert engine.generate([[1, 5, 6, 7]] * 4, **kw) == fresh.generate([[1, 5, 6, 7]] * 4, **kw)
-    with pytest.raises(Exception, match="int8-grid"):
-        make_engine("mlx", dirs[0], bits=None)
+    for other in (None, 12 - bits):
+        with pytest.raises(Exception, match=f"int{bits}-grid version: it runs on {bits}-bit weights"):
+            make_engine("mlx", dirs[0], bits=other)
 
 
 # -- a swarm ------------------------------------------------------------------------------------------------------
-async def test_a_trainer_publishes_bf16_and_int8_grid_chains_to_the_samplers_that_run_them(tmp_path, tiny_model_dir):
-    """A trainer, a torch sampler and an MLX int8 sampler that runs int8-grid: the grid sampler starts on bf16
-    version 0 (the trainer has not heard it yet), then follows the grid chain (an anchor, then patches of codes);
-    its engine holds the trainer's grid file bit for bit; both samplers' groups are accepted, nobody is struck."""
+async def test_a_trainer_publishes_bf16_and_grid_chains_to_the_samplers_that_run_them(tmp_path, tiny_model_dir):
+    """A trainer that trains on q4 rollouts too, a torch sampler, an MLX int8 sampler that runs int8-grid and an MLX
+    int4 one that runs int4-grid: each grid sampler starts on bf16 version 0 (the trainer has not heard it yet),
+    then follows its grid chain (an anchor, then patches of codes); its engine holds the trainer's grid file bit for
+    bit; every sampler's groups are accepted, nobody is struck."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
     from node.engines import engine_factory
     from node.roles.sampler import SamplerRole
     from tests.helpers import (
+        Running,
         node_config,
         settings,
         start,
@@ -215,18 +229,23 @@ async def test_a_trainer_publishes_bf16_and_int8_grid_chains_to_the_samplers_tha
             weights={"chunk_size": CHUNK, "anchor_every": 10},
             batch_groups=1 << 30,
             publish_dtype="bf16",
+            accept_quant="none,q8,q4",
         )
-        cfg = node_config(
-            tmp_path, "mac", "sampler", bootstrap=(boot.swarm.addrs()[0],), trainer_id=trainer_peer_id(tmp_path)
-        )
-        mac = await start(
-            nursery, cfg, SamplerRole(cfg, settings(), engine_factory("mlx", "8"), encoding=GRID_ENCODING)
-        )
+
+        async def mlx_sampler(name: str, bits: str) -> Running:
+            cfg = node_config(
+                tmp_path, name, "sampler", bootstrap=(boot.swarm.addrs()[0],), trainer_id=trainer_peer_id(tmp_path)
+            )
+            role = SamplerRole(cfg, settings(), engine_factory("mlx", bits), encoding=f"int{bits}-grid")
+            return await start(nursery, cfg, role)
+
+        mac, mac4 = await mlx_sampler("mac", "8"), await mlx_sampler("mac4", "4")
         linux = await start_sampler(nursery, tmp_path, "linux", boot, engine="torch")
-        samplers = [mac, linux]
+        samplers = [mac, mac4, linux]
         await wait_until(lambda: all(s.role.engine_ready.is_set() for s in samplers), 60, what="engines")
         learner = trainer.role.learner
-        await wait_until(lambda: trainer.role.demand.wanted() == [GRID_ENCODING], 30, what="the grid declared")
+        grids = [GRID_ENCODING, "int4-grid"]
+        await wait_until(lambda: trainer.role.demand.wanted() == grids, 30, what="the grids declared")
         for version in (1, 2, 3):
             nudge(learner.model, 3e-5, version)
             learner.new_version()
@@ -235,26 +254,28 @@ async def test_a_trainer_publishes_bf16_and_int8_grid_chains_to_the_samplers_tha
                 lambda v=version: all(s.role.versions.engine == v for s in samplers), 60, what=f"v{version}"
             )
         store = trainer.role.store
-        grid = [m for _, m in store.manifests() if m.encoding == GRID_ENCODING]
-        assert sorted(m.version for m in grid) == [1, 2, 3] and grid[0].patch is not None  # v3, a patch of v2
         assert store.latest()[2].encoding == "native"  # what a sampler naming nothing gets
-        routes = mac.role.weights.routes
-        assert routes["patch"] >= 2 and mac.role.weights.current == 3 and mac.role.weights.has_own
+        for node, encoding in ((mac, GRID_ENCODING), (mac4, "int4-grid")):
+            grid = [m for _, m in store.manifests() if m.encoding == encoding]
+            assert sorted(m.version for m in grid) == [1, 2, 3] and grid[0].patch is not None  # v3, a patch of v2
+            routes = node.role.weights.routes
+            assert routes["patch"] >= 2 and node.role.weights.current == 3 and node.role.weights.has_own
+            # the MLX engine holds the trainer's published grid file bit for bit
+            published = trainer.role.outbox.extras[encoding].publisher.links / "v3.safetensors"
+            assert (node.role.store.versions_dir / "v3" / WEIGHTS_FILE).read_bytes() == published.read_bytes()
+            engine = node.role.engine
+            params = dict(tree_flatten(engine._thread.call(lambda e=engine: e.model.parameters())))
+            for name, _dtype, values in mlx_tensors(published):
+                x = params[name]
+                assert np.array_equal(np.array(x.view(mx.uint16) if x.dtype == mx.bfloat16 else x), values), name
+        assert file_grid_bits(published) == 4 and engine.quant == "q4"
         assert linux.role.store.manifests()[0][1].encoding == "native"
-        assert not any(m.encoding == GRID_ENCODING for _, m in linux.role.store.manifests())
-        # the MLX engine holds the trainer's published grid file bit for bit
-        published = trainer.role.outbox.extras[GRID_ENCODING].publisher.links / "v3.safetensors"
-        assert (mac.role.store.versions_dir / "v3" / WEIGHTS_FILE).read_bytes() == published.read_bytes()
-        engine = mac.role.engine
-        params = dict(tree_flatten(engine._thread.call(lambda: engine.model.parameters())))
-        for name, _dtype, values in mlx_tensors(published):
-            x = params[name]
-            assert np.array_equal(np.array(x.view(mx.uint16) if x.dtype == mx.bfloat16 else x), values), name
-        before = mac.role.rollouts_accepted  # groups of the grid versions among those accepted from now on
+        assert not any(m.encoding in grids for _, m in linux.role.store.manifests())
+        before = [(s, s.role.rollouts_accepted) for s in (mac, mac4)]  # groups of the grid versions from now on
         await wait_until(
-            lambda: mac.role.rollouts_accepted > before and linux.role.rollouts_accepted > 0,
+            lambda: all(s.role.rollouts_accepted > n for s, n in before) and linux.role.rollouts_accepted > 0,
             60,
-            what="groups accepted from both samplers",
+            what="groups accepted from all three samplers",
         )
         assert all(s.role.strikes == 0 for s in samplers) and trainer.role.intake.status()["banned"] == 0
 
@@ -277,15 +298,17 @@ async def test_a_trainer_publishes_bf16_and_int8_grid_chains_to_the_samplers_tha
         (["--engine", "mlx"], "native"),  # the default: the version as published
         (["--engine", "mlx", "--receive-encoding", "auto"], "int8-grid"),  # a Mac's MLX 8-bit engine
         (["--engine", "mlx", "--bits", "8", "--receive-encoding", "int8-grid"], "int8-grid"),
-        (["--engine", "mlx", "--bits", "4", "--receive-encoding", "auto"], "native"),
+        (["--engine", "mlx", "--bits", "4", "--receive-encoding", "auto"], "int4-grid"),  # an MLX 4-bit engine
+        (["--engine", "mlx", "--bits", "8", "--receive-encoding", "int4-grid"], "error4"),
         (["--engine", "mlx", "--compute", "fp16", "--receive-encoding", "auto"], "native"),  # fp16: no bf16 scale
         (["--engine", "torch", "--bits", "none", "--receive-encoding", "auto"], "native"),
         (["--engine", "torch", "--bits", "none", "--receive-encoding", "int8-grid"], "error"),
     ],
 )
 def test_the_sampler_command_downloads_the_encoding_its_engine_runs(tmp_path, flags, expected):
-    """`swarmrl node --role sampler --receive-encoding auto`: an MLX 8-bit sampler receives int8-grid versions, any
-    other native; asking a torch sampler for int8-grid is a clear error, not a silent bf16 run."""
+    """`swarmrl node --role sampler --receive-encoding auto`: an MLX 8-bit (4-bit) sampler receives int8-grid
+    (int4-grid) versions, any other native; asking a torch sampler for int8-grid, or an 8-bit one for int4-grid, is a
+    clear error, not a silent bf16 run."""
     import argparse
 
     from node.cli import add_node_args, build_config, build_role, load_settings
@@ -295,8 +318,9 @@ def test_the_sampler_command_downloads_the_encoding_its_engine_runs(tmp_path, fl
     p = argparse.ArgumentParser()
     add_node_args(p)
     args = p.parse_args(["--role", "sampler", "--trainer", trainer, "--data-dir", str(tmp_path / "d"), *flags])
-    if expected == "error":
-        with pytest.raises(UserError, match="int8-grid runs only on an MLX engine"):
+    if expected.startswith("error"):
+        bits = expected[-1] if expected[-1].isdigit() else "8"
+        with pytest.raises(UserError, match=f"int{bits}-grid runs only on an MLX engine with {bits}-bit weights"):
             build_role(build_config(args), load_settings(args))
         return
     assert build_role(build_config(args), load_settings(args)).encoding == expected

@@ -1,5 +1,6 @@
-"""int8-grid versions (node/weights/grid.py): MLX's own quantization reproduced in numpy bit for bit, codes on a
-frozen grid, the re-grid rule, and patches of grid files that carry only the codes that changed."""
+"""int8-grid and int4-grid versions (node/weights/grid.py): MLX's own quantization reproduced in numpy bit for bit
+at 8 and 4 bits, codes on a frozen grid, the re-grid rule, and patches of grid files that carry only the codes that
+changed."""
 
 from __future__ import annotations
 
@@ -19,11 +20,15 @@ from node.weights.grid import (
     encode_grid_file,
     encode_groups,
     f32_to_bf16,
+    file_grid_bits,
     fresh_grid,
     mlx_weight,
+    pack_codes,
     quantizable,
     read_grid,
+    rule_for,
     stale_groups,
+    unpack_codes,
 )
 from node.weights.patch import apply_patch, build_patch
 from protocols import weights as w
@@ -59,38 +64,42 @@ def test_f32_to_bf16_rounds_to_nearest_even_as_mlx_does():
     assert np.array_equal(f32_to_bf16(x), want)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_a_fresh_grid_is_exactly_mlx_quantize(dtype):
+def test_a_fresh_grid_is_exactly_mlx_quantize(dtype, bits):
     """Scales and biases are MLX's bit for bit; MLX's codes are ours computed against its float32 scale, and its
-    packing is the U8 codes' bytes viewed as uint32."""
+    packing is the packed codes' bytes viewed as uint32 (at 4 bits two codes a byte, the even one low)."""
     import mlx.core as mx
 
     w_np = weights(np.random.default_rng(2))
     src = mx.array(w_np).astype(mx.bfloat16 if dtype == "bf16" else mx.float32)
-    q, s, b = mx.quantize(src, group_size=GROUP, bits=8)
+    q, s, b = mx.quantize(src, group_size=GROUP, bits=bits)
     groups = w_np.reshape(-1, GROUP)
-    scale, bias = fresh_grid(groups)
+    scale, bias = fresh_grid(groups, bits)
     if dtype == "bf16":
         assert np.array_equal(np.array(s.view(mx.uint16)).reshape(-1), f32_to_bf16(scale))
         assert np.array_equal(np.array(b.view(mx.uint16)).reshape(-1), f32_to_bf16(bias))
     else:
         assert np.array_equal(np.array(s).reshape(-1), scale) and np.array_equal(np.array(b).reshape(-1), bias)
-    mlx_codes = codes_on(groups, scale, bias).reshape(w_np.shape)
-    assert np.array_equal(mlx_weight(mlx_codes), np.array(q))
+    mlx_codes = codes_on(groups, scale, bias, bits).reshape(w_np.shape)
+    assert mlx_codes.max() == (1 << bits) - 1
+    assert np.array_equal(mlx_weight(mlx_codes, bits), np.array(q))
+    assert np.array_equal(unpack_codes(pack_codes(mlx_codes, bits), bits), mlx_codes)
 
 
-def test_mlx_dequantizes_grid_codes_to_the_weights_numpy_says():
+@pytest.mark.parametrize("bits", [8, 4])
+def test_mlx_dequantizes_grid_codes_to_the_weights_numpy_says(bits):
     """The layout as MLX reads it: mx.dequantize of the grid's own bytes equals numpy's scale * q + bias."""
     import mlx.core as mx
 
     w_np = weights(np.random.default_rng(3))
-    codes, s_bits, b_bits, regrid = encode_groups(w_np.reshape(-1, GROUP), None, GridRule())
+    codes, s_bits, b_bits, regrid = encode_groups(w_np.reshape(-1, GROUP), None, rule_for(bits), bits)
     assert regrid.all()
     codes = codes.reshape(w_np.shape)
     rows = w_np.shape[0]
     s = mx.array(s_bits.reshape(rows, -1)).view(mx.bfloat16).astype(mx.float32)
     b = mx.array(b_bits.reshape(rows, -1)).view(mx.bfloat16).astype(mx.float32)
-    got = np.array(mx.dequantize(mx.array(mlx_weight(codes)), s, b, group_size=GROUP, bits=8))
+    got = np.array(mx.dequantize(mx.array(mlx_weight(codes, bits)), s, b, group_size=GROUP, bits=bits))
     want = dequantize(codes, s_bits, b_bits)
     assert np.allclose(got, want, rtol=0, atol=1e-7)
     # and the grid is a good one: half a step from nearly every weight, under two where MLX's grid clips its end
@@ -167,9 +176,9 @@ def write_bf16(path: Path, tensors: dict[str, np.ndarray]) -> None:
             fh.write(f32_to_bf16(tensors[k]).tobytes())
 
 
-def grid_pair(tmp_path: Path, step: float, seed: int = 5) -> tuple[Path, Path, dict, dict]:
+def grid_pair(tmp_path: Path, step: float, seed: int = 5, bits: int = 8) -> tuple[Path, Path, dict, dict]:
     """Two bf16 versions of a small model-like file, the second moved by ``step`` either way, and their grid files
-    (the second on the first's grid)."""
+    at ``bits`` (the second on the first's grid)."""
     rng = np.random.default_rng(seed)
     v0 = {
         "model.embed_tokens.weight": weights(rng, 64, 128, special=False),
@@ -181,16 +190,19 @@ def grid_pair(tmp_path: Path, step: float, seed: int = 5) -> tuple[Path, Path, d
     write_bf16(tmp_path / "v0.safetensors", v0)
     write_bf16(tmp_path / "v1.safetensors", v1)
     g0, g1 = tmp_path / "g0.safetensors", tmp_path / "g1.safetensors"
-    encode_grid_file(tmp_path / "v0.safetensors", g0)
-    encode_grid_file(tmp_path / "v1.safetensors", g1, parent=g0)
+    encode_grid_file(tmp_path / "v0.safetensors", g0, bits=bits)
+    encode_grid_file(tmp_path / "v1.safetensors", g1, parent=g0, bits=bits)
     return g0, g1, v0, v1
 
 
-def test_a_grid_file_holds_every_tensor_and_patches_carry_only_changed_codes(tmp_path):
-    g0, g1, _v0, v1 = grid_pair(tmp_path, 2e-5)
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_grid_file_holds_every_tensor_and_patches_carry_only_changed_codes(tmp_path, bits):
+    g0, g1, _v0, v1 = grid_pair(tmp_path, 2e-5 if bits == 8 else 3e-4, bits=bits)
     _, layout = read_layout(g1)
     kinds = {t.name: t.dtype for t in layout}
+    shapes = {t.name: t.shape for t in layout}
     assert kinds["model.layers.0.mlp.up_proj.weight"] == "U8" and kinds["model.layers.0.mlp.up_proj.scales"] == "BF16"
+    assert shapes["model.layers.0.mlp.up_proj.weight"] == [256, 128 * bits // 8] and file_grid_bits(g1) == bits
     assert kinds["model.norm.weight"] == "BF16" and kinds["model.layers.0.self_attn.q_proj.bias"] == "BF16"
     assert [t.dtype for t in layout] == sorted((t.dtype for t in layout), key=lambda d: -{"BF16": 2, "U8": 1}[d])
     deq, grid = dequantize_file(g1), read_grid(g1)
@@ -202,7 +214,7 @@ def test_a_grid_file_holds_every_tensor_and_patches_carry_only_changed_codes(tmp
         base = name[: -len(".weight")]
         step = np.abs(bf16_to_f32(grid[base + ".scales"].reshape(-1)))[:, None]
         err = np.abs(deq[name] - want).reshape(-1, GROUP)
-        assert np.all(err <= (2.0 + GridRule().excess_steps) * step), name  # a fresh grid clips up to ~1.5 steps
+        assert np.all(err <= (2.0 + rule_for(bits).excess_steps) * step), name  # a fresh grid clips up to ~1.5 steps
         assert np.mean(err <= 0.5 * step) > 0.99, name
     _, l0 = read_layout(g0)
     assert l0 == layout and g0.read_bytes()[: layout[0].offset] == g1.read_bytes()[: layout[0].offset]
@@ -214,12 +226,16 @@ def test_a_grid_file_holds_every_tensor_and_patches_carry_only_changed_codes(tmp
     assert {"model.layers.0.mlp.up_proj.weight", "model.embed_tokens.weight"} <= touched
     codes0, codes1 = read_grid(g0), read_grid(g1)
     changed = sum(int(np.count_nonzero(codes0[n] != codes1[n])) for n in touched)
-    assert built.changed == changed
+    assert built.changed == changed  # bytes of codes: at 4 bits a byte holds two
+    moved = unpack_codes(codes0["model.embed_tokens.weight"], bits) != unpack_codes(
+        codes1["model.embed_tokens.weight"], bits
+    )
+    assert 0 < moved.mean() < 0.05
     # applied to the parent's grid file it rebuilds the child's bit for bit
     tensors = [replace(t, hash=h) for t, h in zip(layout, built.hashes, strict=True)]
     info = w.PatchInfo(b"\0" * 32, 0, "zlib", built.size, [b"\1" * 32], built.weights_size, built.header_hash,
                        built.deltas)  # fmt: skip
-    m = w.Manifest("t", 1, 0, "int8-grid", 1 << 20, [], tensors, info)
+    m = w.Manifest("t", 1, 0, f"int{bits}-grid", 1 << 20, [], tensors, info)
     changes = apply_patch(g0, tmp_path / "out.safetensors", m, built.blob)
     assert (tmp_path / "out.safetensors").read_bytes() == g1.read_bytes()
     assert set(changes.indices) == touched
@@ -248,10 +264,11 @@ def test_a_grid_file_without_a_usable_parent_is_an_anchor(tmp_path):
     assert stats.regridded < stats.groups // 10
 
 
-def test_an_mlx_int8_model_runs_exactly_the_grid_file(tmp_path, realistic_model_dir):
-    """The realistic fixture as a bf16 version, its int8-grid file loaded into an mlx-lm model quantized the way
-    the MLX engine quantizes (nn.quantize, group 64, 8 bits): every parameter is the file's bytes, the anchor's
-    scales and biases are MLX's own, and its logits are an int8 model's."""
+@pytest.mark.parametrize("bits", [8, 4])
+def test_an_mlx_quantized_model_runs_exactly_the_grid_file(tmp_path, realistic_model_dir, bits):
+    """The realistic fixture as a bf16 version, its int8-grid (int4-grid) file loaded into an mlx-lm model quantized
+    the way the MLX engine quantizes (nn.quantize, group 64, 8 (4) bits): every parameter is the file's bytes, the
+    anchor's scales and biases are MLX's own, and its logits are an int8 (int4) model's."""
     import shutil
 
     import mlx.core as mx
@@ -269,12 +286,12 @@ def test_an_mlx_int8_model_runs_exactly_the_grid_file(tmp_path, realistic_model_
             shutil.copy(f, model_dir / f.name)
     write_bf16(model_dir / "model.safetensors", read_float_tensors(realistic_model_dir / "model.safetensors"))
     grid = tmp_path / "grid.safetensors"
-    encode_grid_file(model_dir / "model.safetensors", grid)
+    encode_grid_file(model_dir / "model.safetensors", grid, bits=bits)
 
     def quantized_model():
         model, _ = load_model(model_dir)
         model.set_dtype(mx.bfloat16)
-        nn.quantize(model, group_size=GROUP, bits=8)
+        nn.quantize(model, group_size=GROUP, bits=bits)
         return model
 
     own, ours = quantized_model(), quantized_model()
@@ -285,16 +302,16 @@ def test_an_mlx_int8_model_runs_exactly_the_grid_file(tmp_path, realistic_model_
     file = {n: a for n, _d, a in mlx_tensors(grid)}
     assert mine.keys() == file.keys() == theirs.keys()
 
-    def bits(x: mx.array) -> np.ndarray:
+    def raw(x: mx.array) -> np.ndarray:
         return np.array(x.view(mx.uint16) if x.dtype == mx.bfloat16 else x)
 
     for name, x in mine.items():
-        assert np.array_equal(bits(x), file[name]), name  # bit for bit what was hashed
+        assert np.array_equal(raw(x), file[name]), name  # bit for bit what was hashed
     scales = [n for n in mine if n.endswith((".scales", ".biases"))]
-    assert scales and all(np.array_equal(bits(mine[n]), bits(theirs[n])) for n in scales)
+    assert scales and all(np.array_equal(raw(mine[n]), raw(theirs[n])) for n in scales)
     codes = [n for n in mine if mine[n].dtype == mx.uint32]
     same = np.mean(np.concatenate([
-        (bits(mine[n]).view(np.uint8) == bits(theirs[n]).view(np.uint8)).reshape(-1) for n in codes
+        (raw(mine[n]).view(np.uint8) == raw(theirs[n]).view(np.uint8)).reshape(-1) for n in codes
     ]))  # fmt: skip
     assert same > 0.7  # the rest differ by one: ours are rounded against the bf16 scale MLX keeps, not its fp32 one
     ids = mx.array([[1, 5, 9, 17, 33, 65, 100, 7]])
@@ -302,9 +319,11 @@ def test_an_mlx_int8_model_runs_exactly_the_grid_file(tmp_path, realistic_model_
     assert np.abs(a - b).max() < 0.25 * np.abs(b).max()
 
 
-def test_a_publisher_ships_int8_grid_versions_as_patches_of_codes(tmp_path, tiny_model_dir):
-    """The real Publisher in int8-grid: version 0 an anchor on fresh grids, the next ones patches of their parent's
-    grid file that a sampler's store rebuilds bit for bit; the grids stay frozen, so a patch carries codes only."""
+@pytest.mark.parametrize("encoding", ["int8-grid", "int4-grid"])
+def test_a_publisher_ships_grid_versions_as_patches_of_codes(tmp_path, tiny_model_dir, encoding):
+    """The real Publisher in int8-grid (int4-grid): version 0 an anchor on fresh grids, the next ones patches of
+    their parent's grid file that a sampler's store rebuilds bit for bit; the grids stay frozen, so a patch carries
+    codes only."""
     import shutil
 
     import torch
@@ -315,7 +334,7 @@ def test_a_publisher_ships_int8_grid_versions_as_patches_of_codes(tmp_path, tiny
     from node.weights.store import ChunkStore
     from trainer.model import load_model, save_model_dir
 
-    pub = Publisher(ChunkStore(tmp_path / "t"), create_new_key_pair(), "g", chunk_size=16 << 10, encoding="int8-grid",
+    pub = Publisher(ChunkStore(tmp_path / "t"), create_new_key_pair(), "g", chunk_size=16 << 10, encoding=encoding,
                     patch_max_fraction=0.5)  # fmt: skip
     node = ChunkStore(tmp_path / "s")
     model = load_model(tiny_model_dir)
@@ -331,7 +350,7 @@ def test_a_publisher_ships_int8_grid_versions_as_patches_of_codes(tmp_path, tiny
         published = tmp_path / f"v{version}.safetensors"
         shutil.copyfile(pub.links / f"v{version}.safetensors", published)
         _, signed, m = metas[-1]
-        assert m.encoding == "int8-grid"
+        assert m.encoding == encoding and file_grid_bits(published) == int(encoding[3])
         w.Manifest.from_body(signed.body)  # the wire's own checks accept it
         node.add_manifest(signed, m)
         route = "full" if version == 0 else "patch"

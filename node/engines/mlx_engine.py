@@ -8,9 +8,9 @@ with its logprob; logprobs are log_softmax(logits / T), before top-p.
 MLX streams belong to the thread that made them, so all of this engine's MLX work runs on one
 dedicated thread of its own, whichever thread (event loop or trio worker) calls it.
 
-An int8-grid version (node/weights/grid.py) holds MLX's own 8-bit group codes, scales and biases: an engine with
-8-bit weights loads them as they are (the bytes that were hashed and signed; scales widened exactly to fp32 when it
-computes in fp32), never re-quantizing; a patch reloads only the tensors it changed.
+An int8-grid (int4-grid) version (node/weights/grid.py) holds MLX's own 8-bit (4-bit) group codes, scales and
+biases: an engine with weights of that width loads them as they are (the bytes that were hashed and signed; scales
+widened exactly to fp32 when it computes in fp32), never re-quantizing; a patch reloads only the tensors it changed.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from mlx_lm.utils import _get_classes, load_config, load_model
 from node.engines.base import Generation, NotUpdatable
 from node.engines.worker import ComputeThread
 from node.errors import UserError
-from node.weights.grid import GROUP, is_grid_file, mlx_tensors
+from node.weights.grid import GROUP, file_grid_bits, mlx_tensors
 from protocols.draw import draw_uniforms
 from trainer.model_dir import inspect_model_dir
 
@@ -90,12 +90,15 @@ class MlxEngine:
         self.version = version
 
     def _grid(self, model_dir: Path) -> bool:
-        """Whether ``model_dir`` holds an int8-grid version (which only an 8-bit, group-64 engine runs)."""
+        """Whether ``model_dir`` holds a grid version (which only an engine of its width, in groups of 64, runs)."""
         path = model_dir / "model.safetensors"
-        if not path.exists() or not is_grid_file(path):
+        bits = file_grid_bits(path) if path.exists() else None
+        if bits is None:
             return False
-        if self.bits != 8 or self.group_size != GROUP:
-            raise UserError(f"{model_dir} is an int8-grid version: it runs on 8-bit weights in groups of {GROUP}")
+        if self.bits != bits or self.group_size != GROUP:
+            raise UserError(
+                f"{model_dir} is an int{bits}-grid version: it runs on {bits}-bit weights in groups of {GROUP}"
+            )
         return True
 
     def _init_grid(self, model_dir: Path, overrides: dict, compute: str) -> None:
@@ -105,7 +108,7 @@ class MlxEngine:
         floats = [d for n, d in tensors.items() if d in MX_DTYPES and not n.endswith((".scales", ".biases"))]
         self.dtype = COMPUTE_DTYPES[compute] if compute != "auto" else MX_DTYPES[floats[0] if floats else "BF16"]
         if self.dtype not in (mx.bfloat16, mx.float32):
-            raise UserError(f"{model_dir}: an int8-grid version runs in bf16 or fp32, not {self.dtype}")
+            raise UserError(f"{model_dir}: a grid version runs in bf16 or fp32, not {self.dtype}")
         self.compute = COMPUTE_NAMES[self.dtype]
         try:
             config = load_config(model_dir)
@@ -139,7 +142,7 @@ class MlxEngine:
         try:
             self.model.load_weights(out, strict=names is None)
         except ValueError as exc:
-            raise UserError(f"the int8-grid weights in {path} do not fit the running model: {exc}") from None
+            raise UserError(f"the grid weights in {path} do not fit the running model: {exc}") from None
         mx.eval(self.model.parameters())
 
     def _quantized_paths(self) -> set[str]:

@@ -31,7 +31,7 @@ from node.roles.ranks import open_learner, watch_ranks
 from node.roles.trainer_rpc import serve_trainer
 from node.runlog import RunLog, StepMeter
 from node.settings import Settings
-from node.weights.encodings import Demand, DemandServer, trainer_outbox
+from node.weights.encodings import Demand, DemandServer, offered_encodings, trainer_outbox
 from node.weights.store import ChunkStore
 from protocols.work import WorkRequest
 from trainer.memory import limit_malloc_arenas
@@ -67,7 +67,11 @@ class TrainerRole:
         self.store = ChunkStore(config.data_dir / "store")
         # which encodings connected samplers run (their polls say); its own chunks go to peers that were leased work or
         # had a group accepted (intake.known), the others share one small upload share (policy.origin_serves_freely)
-        self.demand = Demand(lambda: self.swarm.host.get_connected_peers(), self.intake.strikes.is_banned)
+        self.demand = Demand(
+            lambda: self.swarm.host.get_connected_peers(),
+            self.intake.strikes.is_banned,
+            offered_encodings(self.intake.verifier.accept),
+        )
         self.weight_server = DemandServer(
             self.demand, self.store, True, w.reserve_after, w.upload_per_peer, self.intake.known
         )

@@ -13,7 +13,8 @@ as for every sampler, not the dequantized grid. One scoring model per version se
 distance from it is bounded by the re-grid rule (node/weights/grid.py: at most half a step inside a group's range,
 a step at most 1.25x a fresh grid's), the same order as the rounding MLX's own int8 adds: the sampler declares q8
 and is held to q8's measured limits. bench/draws_grid.py measures that this holds after 50 versions of grids frozen
-at their anchor (bench/results/draws.txt).
+at their anchor (bench/results/draws.txt). An int4-grid sampler likewise declares q4 and is held to q4's limits; its
+rollouts count only where the trainer accepts q4 (``--accept-quant``), which it does not by default.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 
 from node.settings import WeightSettings
-from node.weights.grid import GRID_ENCODING
+from node.weights.grid import GRID_BITS
 from node.weights.outbox import Announcer, Extra, Outbox
 from node.weights.publish import Publisher
 from node.weights.server import NotFound, OriginPush, WeightServer, newest_reply
@@ -35,16 +36,29 @@ from node.weights.store import ChunkStore
 from protocols import weights as w
 
 MAX_DECLARED = 1 << 14  # peers whose declaration is remembered (the oldest forgotten first)
+GRID_QUANT = {"int8-grid": "q8", "int4-grid": "q4"}  # the weight quantization a grid encoding's samplers run
 
 
 # -- pure rules ----------------------------------------------------------------------------------------------------
 def encodings_to_publish(
-    declared: Mapping[str, str], connected: Collection[str], banned: Callable[[str], bool]
+    declared: Mapping[str, str],
+    connected: Collection[str],
+    banned: Callable[[str], bool],
+    offered: Collection[str] = w.RECEIVED_ENCODINGS,
 ) -> list[str]:
-    """The encodings to publish a version in besides the default: each known one some connected, not-banned peer
-    declared, in ``RECEIVED_ENCODINGS`` order (so never more than the known encodings, whatever peers say)."""
+    """The encodings to publish a version in besides the default: each known and ``offered`` one some connected,
+    not-banned peer declared, in ``RECEIVED_ENCODINGS`` order (so never more than the known encodings, whatever
+    peers say)."""
     asked = {enc for peer, enc in declared.items() if peer in connected and not banned(peer)}
-    return [e for e in w.RECEIVED_ENCODINGS if e != w.DEFAULT_ENCODING and e in asked]
+    return [e for e in w.RECEIVED_ENCODINGS if e != w.DEFAULT_ENCODING and e in asked and e in offered]
+
+
+def offered_encodings(accepted_quants: Collection[str]) -> tuple[str, ...]:
+    """The encodings a trainer publishes when asked: the default, and each grid encoding whose samplers' rollouts
+    it trains on (``--accept-quant``): an int4-grid chain costs a publish per version (an int8-grid one ~19 s at
+    1.5B on this box), spent for nothing where every q4 group would be refused."""
+    grids = tuple(e for e, quant in GRID_QUANT.items() if quant in accepted_quants)
+    return (w.DEFAULT_ENCODING, *grids)
 
 
 def takes(offered: str, runs: str, has_own: bool) -> bool:
@@ -78,9 +92,15 @@ def push_encoding(declared: str | None) -> str:
 class Demand:
     """Each peer's latest declared encoding (at most ``MAX_DECLARED`` peers); ``wanted()``: what to publish now."""
 
-    def __init__(self, connected: Callable[[], Iterable[ID]], banned: Callable[[str], bool]) -> None:
+    def __init__(
+        self,
+        connected: Callable[[], Iterable[ID]],
+        banned: Callable[[str], bool],
+        offered: Collection[str] = w.RECEIVED_ENCODINGS,
+    ) -> None:
         self.connected = connected
         self.banned = banned
+        self.offered = offered
         self.declared: OrderedDict[str, str] = OrderedDict()
 
     def heard(self, peer: ID, encoding: str) -> None:
@@ -94,7 +114,7 @@ class Demand:
         return push_encoding(self.declared.get(str(peer)))
 
     def wanted(self) -> list[str]:
-        return encodings_to_publish(self.declared, {str(p) for p in self.connected()}, self.banned)
+        return encodings_to_publish(self.declared, {str(p) for p in self.connected()}, self.banned, self.offered)
 
 
 class DemandServer(WeightServer):
@@ -141,20 +161,27 @@ def trainer_outbox(
     stage: Callable[[int, Path], object],
     **outbox: Any,
 ) -> Outbox:
-    """The trainer's way out for its versions: the configured encoding's chain (every sampler can run it), and the
-    int8-grid chain while some connected sampler asks for it; a small version's first copies are pushed as it is
-    announced, each encoding's to the samplers that run it. ``outbox``: Outbox's other arguments."""
+    """The trainer's way out for its versions: the configured encoding's chain (every sampler can run it), and each
+    grid encoding's chain (int8-grid, int4-grid) while some connected sampler asks for it; a small version's first
+    copies are pushed as it is announced, each encoding's to the samplers that run it. ``outbox``: Outbox's other
+    arguments."""
     chain = (settings.chunk_size, settings.encoding, settings.anchor_every, settings.patch_max_fraction)
     publisher = Publisher(store, key_pair, swarm_name, *chain)
-    grid = Publisher(store, key_pair, swarm_name, chain[0], GRID_ENCODING, *chain[2:], tag=GRID_ENCODING)
     uplink = settings.origin_uplink_mbps * 1e6 / 8
+    extras = {
+        enc: Extra(
+            Publisher(store, key_pair, swarm_name, chain[0], enc, *chain[2:], tag=enc),
+            EncodingPush(server, enc, demand, uplink),
+        )
+        for enc in GRID_BITS
+    }
     return Outbox(
         publisher,
         stage,
         gossip,
         swarm_name,
         pusher=EncodingPush(server, w.DEFAULT_ENCODING, demand, uplink),
-        extras={GRID_ENCODING: Extra(grid, EncodingPush(server, GRID_ENCODING, demand, uplink))},
+        extras=extras,
         wanted=demand.wanted,
         **outbox,
     )

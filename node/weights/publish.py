@@ -1,11 +1,11 @@
 """Publishing a version: a model directory (written by the learner) is cut into blake3 chunks, its manifest
 signed with the trainer's libp2p key, all of it kept in the trainer's chunk store. No torch here.
 
-int8-grid (node/weights/grid.py): the learner's file becomes MLX int8 group codes on the grids of the last published
-version's file (each group's scale and bias frozen until the re-grid rule replaces them), so that its patches
-carry only the codes that changed.
+int8-grid and int4-grid (node/weights/grid.py): the learner's file becomes MLX int8 (int4) group codes on the grids
+of the last published version's file (each group's scale and bias frozen until the re-grid rule replaces them), so
+that its patches carry only the codes that changed.
 
-Sparse patches (``patch_max_fraction`` > 0, native or int8-grid encoding): each version after the first is also
+Sparse patches (``patch_max_fraction`` > 0, native or a grid encoding): each version after the first is also
 described as a patch of its parent's weights file (the element bits that changed, node/weights/patch.py), computed
 from the parent's published file (kept hard-linked under ``<store>/published/``: the exact bits that went out) and
 the new one. A version travels as a patch alone, unless an anchor is due: a full version every ``anchor_every``
@@ -26,7 +26,7 @@ from pathlib import Path
 from libp2p.crypto.keys import KeyPair
 
 from node.weights.encoding import encode_int8_file
-from node.weights.grid import GRID_ENCODING, GridRule, GridStats, encode_grid_file
+from node.weights.grid import GRID_BITS, GridRule, GridStats, encode_grid_file
 from node.weights.hashes import digest, hash_weights
 from node.weights.manifest import WEIGHTS_FILE, cut_model_dir, cut_ranges, sign_manifest
 from node.weights.patch import OverBudget, build_patch
@@ -59,7 +59,7 @@ class PublishStats:
     elements: int = 0
     patch_seconds: float = 0.0  # building the patch (compare, encode, compress, hash)
     seconds: float = 0.0  # the whole publish
-    grid: GridStats | None = None  # int8-grid: the encoding's tally (groups given a fresh grid, ...)
+    grid: GridStats | None = None  # a grid encoding: its tally (groups given a fresh grid, ...)
 
 
 class Publisher:
@@ -86,7 +86,7 @@ class Publisher:
         self.anchor_every = max(1, anchor_every)
         self.patch_max_fraction = patch_max_fraction
         self.patch_codec = patch_codec
-        self.grid_rule = grid_rule or GridRule()
+        self.grid_rule = grid_rule  # None: the grid width's own (grid.rule_for)
         self.last_version = -1
         self.tag = tag
         self.links = store.root / (f"published-{tag}" if tag else "published")
@@ -139,9 +139,10 @@ class Publisher:
             os.replace(encoded, weights)  # it may be a hard link to the learner's own copy: never write through it
         parent = self.parent() if self.patches else None
         grid = None
-        if self.encoding == GRID_ENCODING:  # on the parent's grids (a parent of another layout: fresh ones)
+        if self.encoding in GRID_BITS:  # on the parent's grids (a parent of another layout: fresh ones)
             encoded = weights.with_name(weights.name + ".grid")
-            grid = encode_grid_file(weights, encoded, parent.path if parent is not None else None, self.grid_rule)
+            parent_file = parent.path if parent is not None else None
+            grid = encode_grid_file(weights, encoded, parent_file, self.grid_rule, bits=GRID_BITS[self.encoding])
             os.replace(encoded, weights)
         full_bytes = weights.stat().st_size
         built, patch_seconds = None, 0.0
