@@ -64,7 +64,7 @@ from bench.delta_grid import Fidelity, Streams, codec_sizes, fidelity, fidelity_
 from bench.netlab.topology import lab_unavailable
 from bench.wan import Round, delta_lines, run_lab
 from node.engines import Engine, install, make_engine
-from node.weights.grid import GRID_ENCODING
+from node.weights.grid import GRID_ENCODING, rule_for
 from node.weights.hashes import hash_weights
 from node.weights.manifest import WEIGHTS_FILE
 from node.weights.patch import INTS, UINTS, build_patch
@@ -146,6 +146,7 @@ class LrRun:
     full_assemble_s: float  # version 0 on the sampler: reassembled from its chunks
     full_manifest_bytes: int
     rows: list[Row] = field(default_factory=list)
+    grid: str = GRID_ENCODING  # the grid encoding of the grid columns (--grid-bits)
 
 
 # -- rollouts ------------------------------------------------------------------------------------------------------
@@ -260,6 +261,7 @@ def run_lr(
     progress: Progress,
     bar: TaskID,
     keep: Path | None = None,
+    grid: str = GRID_ENCODING,
 ) -> LrRun:
     """Train ``steps`` GRPO steps at ``lr``, publishing each version as a patch and taking it in on a sampler.
     ``keep``: also copy every version's model dir there (v0, v1, ...), for the WAN lab to replay."""
@@ -272,10 +274,10 @@ def run_lr(
         ChunkStore(root / "trainer"), create_new_key_pair(), "delta", anchor_every=1 << 20, patch_max_fraction=10.0
     )
     node = ChunkStore(root / "sampler")
-    # the same versions in the encoding an MLX int8 sampler runs: codes on grids frozen from version 0
+    # the same versions in the encoding an MLX int8 (int4) sampler runs: codes on grids frozen from version 0
     gpub = Publisher(
         ChunkStore(root / "grid-trainer"), create_new_key_pair(), "delta-grid", anchor_every=1 << 20,
-        patch_max_fraction=10.0, encoding=GRID_ENCODING,
+        patch_max_fraction=10.0, encoding=grid,
     )  # fmt: skip
     gnode = ChunkStore(root / "grid-sampler")
     kept = root / "kept"  # each encoding's previous file, for the codec comparison
@@ -305,7 +307,7 @@ def run_lr(
     shutil.copyfile(gpub.links / "v0.safetensors", kept / "grid.safetensors")
     previous: dict[str, Streams] = {}
     d0, full_assemble_s = timed(node.assemble, meta[2])
-    run = LrRun(lr, full_publish_s, full_assemble_s, wire_size(meta[1]))
+    run = LrRun(lr, full_publish_s, full_assemble_s, wire_size(meta[1]), grid=grid)
     live_torch, ref_torch = make_engine("torch", d0, version=0), make_engine("torch", d0, version=0)
     live_mlx, ref_mlx = (make_engine("mlx", d0, bits=MLX_BITS, version=0) for _ in range(2))
     seed = int(lr * 1e9)
@@ -327,7 +329,7 @@ def run_lr(
             again = build_patch(learner.scorer.path(version - 1), learner.scorer.path(version), "lzma")
             assert again is not None
             lzma_bytes = again.size
-        progress.update(bar, description=f"lr {lr:g}: step {step}/{steps}, int8-grid")
+        progress.update(bar, description=f"lr {lr:g}: step {step}/{steps}, {grid}")
         gparent = gmeta
         gmeta = gpub.publish(gpub.staging_dir(version), version)
         gstats = gpub.last_stats
@@ -339,7 +341,7 @@ def run_lr(
         codecs = {}
         pairs = (
             ("bf16", learner.scorer.path(version - 1), learner.scorer.path(version)),
-            ("int8-grid", kept / "grid.safetensors", grid_file),
+            (grid, kept / "grid.safetensors", grid_file),
         )
         for kind, old, new in pairs:
             streams = patch_streams(old, new)
@@ -401,7 +403,7 @@ def run_lr(
             f" MB ({r.changed / r.elements:.2%} of elements changed), build {r.build_s:.2f} s,"
             f" rebuild {r.rebuild_s:.2f} s,"
             f" torch {r.torch_update_s:.3f}/{r.torch_swap_s:.3f} s, mlx {r.mlx_update_s:.3f}/{r.mlx_swap_s:.3f} s"
-            f" (update/swap), bit-exact {r.exact}; int8-grid patch {r.grid_patch_bytes / 1e6:.3f} MB ="
+            f" (update/swap), bit-exact {r.exact}; {grid} patch {r.grid_patch_bytes / 1e6:.3f} MB ="
             f" {r.grid_fraction:.3%} of full bf16 ({r.grid_regridded} groups re-gridded), bit-exact {r.grid_exact}"
         )
         node.gc(keep=2)
@@ -438,6 +440,7 @@ def median(xs: Iterable[float]) -> float:
 
 
 def lr_lines(runs: list[LrRun]) -> tuple[Table, list[str]]:
+    g = runs[0].grid
     table = Table(title="bench/delta: one version as a patch against full bf16 (bytes: mean over steps; times: median)")
     cols = (
         "lr",
@@ -453,9 +456,9 @@ def lr_lines(runs: list[LrRun]) -> tuple[Table, list[str]]:
         "torch update s (swap)",
         "mlx int8 update s (swap)",
         "bit-exact",
-        "int8-grid patch / full bf16",
+        f"{g} patch / full bf16",
         "grid max",
-        "grid / full int8",
+        f"grid / full {g[:4]}",
         "grid bit-exact",
     )
     for c in cols:
@@ -494,20 +497,20 @@ def lr_lines(runs: list[LrRun]) -> tuple[Table, list[str]]:
                 f"rebuild {r.rebuild_s:.3f} s, torch update {r.torch_update_s:.3f} s / swap {r.torch_swap_s:.3f} s, "
                 f"mlx update {r.mlx_update_s:.3f} s / swap {r.mlx_swap_s:.3f} s, exact file {r.exact_file} "
                 f"hashes {r.exact_hashes} torch {r.exact_torch} mlx {r.exact_mlx}, reward {r.reward:.3f}; "
-                f"int8-grid: full {r.grid_full_bytes} B, patch {r.grid_patch_bytes} B ({r.grid_fraction:.3%} of full "
-                f"bf16, {r.grid_patch_bytes / r.grid_full_bytes:.3%} of full int8), {r.grid_changed} elements "
+                f"{g}: full {r.grid_full_bytes} B, patch {r.grid_patch_bytes} B ({r.grid_fraction:.3%} of full "
+                f"bf16, {r.grid_patch_bytes / r.grid_full_bytes:.3%} of full {g[:4]}), {r.grid_changed} elements "
                 f"changed, {r.grid_regridded} groups re-gridded, exact {r.grid_exact}"
             )
     return table, lines
 
 
 def codec_lines(runs: list[LrRun]) -> list[str]:
-    """Per lr and stream (bf16, int8-grid): each codec's index and value bytes, summed over the versions, as a share
-    of the full bf16 versions; the best per stream kind marked."""
+    """Per lr and stream (bf16, the grid encoding): each codec's index and value bytes, summed over the versions, as
+    a share of the full bf16 versions; the best per stream kind marked."""
     lines = []
     for run in runs:
         full = sum(r.full_bytes for r in run.rows)
-        for kind in ("bf16", "int8-grid"):
+        for kind in ("bf16", run.grid):
             names = [c for c in run.rows[-1].codecs.get(kind, {}) if all(c in r.codecs.get(kind, {}) for r in run.rows)]
             if not names:
                 continue
@@ -537,7 +540,7 @@ def codec_lines(runs: list[LrRun]) -> list[str]:
 
 
 def verdicts(runs: list[LrRun], rounds: list[Round] | None) -> list[str]:
-    out = []
+    out, g = [], runs[0].grid
     low = next((run for run in runs if run.lr == LRS[0]), None)
     if low is not None:
         worst = max(r.fraction for r in low.rows)
@@ -548,16 +551,13 @@ def verdicts(runs: list[LrRun], rounds: list[Round] | None) -> list[str]:
         worst = max(r.grid_fraction for r in low.rows)
         ok = "MET" if worst <= TARGET_GRID else "MISSED"
         out.append(
-            f"target int8-grid patch <= {TARGET_GRID:.1%} of full bf16 per version at lr {LRS[0]:g}: worst "
-            f"{worst:.3%} ({ok})"
+            f"target {g} patch <= {TARGET_GRID:.1%} of full bf16 per version at lr {LRS[0]:g}: worst {worst:.3%} ({ok})"
         )
     rows = [r for run in runs for r in run.rows]
     exact = sum(r.exact for r in rows)
     out.append(f"target bit-exact: {exact}/{len(rows)} versions ({'MET' if exact == len(rows) else 'MISSED'})")
     exact = sum(r.grid_exact for r in rows)
-    out.append(
-        f"target int8-grid bit-exact: {exact}/{len(rows)} versions ({'MET' if exact == len(rows) else 'MISSED'})"
-    )
+    out.append(f"target {g} bit-exact: {exact}/{len(rows)} versions ({'MET' if exact == len(rows) else 'MISSED'})")
     if rounds:
         ratio = mean(r.t_all for r in rounds if r.mode == "full") / mean(r.t_all for r in rounds if r.mode == "patch")
         ok = "MET" if ratio >= TARGET_SPEEDUP else "MISSED"
@@ -586,7 +586,7 @@ def plot(runs: list[LrRun], rounds: list[Round] | None, png: Path, title: str) -
                 label="entropy floor, context" if not k + j else None,
             )
             ax.bar(at, 100 * r.grid_fraction, width * 0.5, color="k", alpha=0.6,
-                   label="int8-grid patch" if not k + j else None)  # fmt: skip
+                   label=f"{run.grid} patch" if not k + j else None)  # fmt: skip
         ax.plot(
             [k - 0.4, k + 0.4], [100 * mean(r.changed / r.elements for r in run.rows)] * 2, "k:", lw=1.5,
             label="bf16 elements changed" if k == 0 else None,
@@ -672,10 +672,14 @@ def main() -> int:
     ap.add_argument("--link-scale", type=float, default=1.0, help="WAN lab: samplers' access links x this")
     ap.add_argument("--out", default="delta", help="results file stem under bench/results")
     ap.add_argument(
-        "--fidelity-versions", type=int, default=50, help="int8-grid fidelity: AdamW steps per lr (0: skip)"
+        "--fidelity-versions", type=int, default=50, help="the grid's fidelity: AdamW steps per lr (0: skip)"
+    )
+    ap.add_argument(
+        "--grid-bits", type=int, choices=(8, 4), default=8, help="the grid columns' width: int8-grid or int4-grid"
     )
     args = ap.parse_args()
     wan = not args.no_wan
+    grid = f"int{args.grid_bits}-grid"
     if wan and (why := lab_unavailable()):
         console.print(f"[yellow]no WAN lab ({why}): part 2 skipped")
         wan = False
@@ -695,9 +699,8 @@ def main() -> int:
         versions.mkdir()
         for lr in args.lrs:
             keep = versions if wan and lr == LRS[0] else None
-            runs.append(
-                run_lr(root / f"lr{lr:g}", model, lr, args.steps, (args.groups, args.group_size), progress, bar, keep)
-            )
+            batch = (args.groups, args.group_size)
+            runs.append(run_lr(root / f"lr{lr:g}", model, lr, args.steps, batch, progress, bar, keep, grid))
             shutil.rmtree(root / f"lr{lr:g}")
         if wan:
             rounds = run_wan(versions, args, progress)
@@ -708,8 +711,8 @@ def main() -> int:
             realistic = cached_realistic_model(cache_dir=Path(__file__).resolve().parents[1] / "runs" / ".fixtures")
             at = tuple(v for v in (0, 10, 50, args.fidelity_versions) if v <= args.fidelity_versions)
             for lr in args.lrs:
-                progress.console.print(f"int8-grid fidelity: lr {lr:g}, {args.fidelity_versions} versions")
-                fid += fidelity(realistic, lr, args.fidelity_versions, tuple(sorted(set(at))))
+                progress.console.print(f"{grid} fidelity: lr {lr:g}, {args.fidelity_versions} versions")
+                fid += fidelity(realistic, lr, args.fidelity_versions, tuple(sorted(set(at))), bits=args.grid_bits)
     elapsed = time.time() - t_start
     table, lines = lr_lines(runs)
     console.print(table)
@@ -724,10 +727,11 @@ def main() -> int:
         head,
         "part 1: per lr (bytes: mean over steps, max; times: median over steps); baselines in parentheses",
         *lines,
-        "int8-grid (node/weights/grid.py): the same versions as MLX int8 group codes (group 64, bf16 scales and "
-        "biases) on grids frozen from version 0 (re-gridded per group by GridRule: no element over 2 steps outside "
-        "its codes, step <= 1.25x fresh; a fresh MLX grid clips up to 1.5); its patch is the product's patch of the "
-        "grid file against its parent's",
+        f"{grid} (node/weights/grid.py): the same versions as MLX {grid[:4]} group codes (group 64, bf16 scales and "
+        f"biases) on grids frozen from version 0 (re-gridded per group by the rule: no element over "
+        f"{rule_for(args.grid_bits).excess_steps:g} steps outside its codes, step <= 1.25x fresh; a fresh MLX grid "
+        f"clips up to {1.5 if args.grid_bits == 8 else 1.02:g}); its patch is the product's patch of the grid file "
+        "against its parent's",
         "codecs: the product's patch streams (index: gap varints or bitmap; values: zigzag varints of the bit "
         "deltas) under zlib-6, zstd 1-3 and zstd-3 with a dictionary trained on the previous version's streams "
         "(its bytes counted); grail's layout: index deltas narrowed to uint8/uint16/uint32 per tensor, new values "
@@ -736,10 +740,10 @@ def main() -> int:
     ]
     if fid:
         out += [
-            "int8-grid fidelity: the realistic trained fixture (trainer/realistic_model.py), real AdamW steps "
+            f"{grid} fidelity: the realistic trained fixture (trainer/realistic_model.py), real AdamW steps "
             "(fp32 master weights, its next-token task, batch 32) published as bf16; per completion token of 512 "
-            "teacher-forced task examples, fp32 compute: fresh int8 = MLX's own quantization of each version (the "
-            "int8 noise itself), grid = the int8-grid version, grid no rule = frozen at v0 whatever happens",
+            f"teacher-forced task examples, fp32 compute: fresh {grid[:4]} = MLX's own quantization of each version "
+            f"(the {grid[:4]} noise itself), grid = the {grid} version, grid no rule = frozen at v0 whatever happens",
             *fidelity_lines(fid),
         ]
     if not rounds:

@@ -28,7 +28,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from node.weights.grid import GROUP, GridRule, codes_on, dequantize, encode_groups, f32_to_bf16, fresh_grid
+from node.weights.grid import (
+    GROUP,
+    GridRule,
+    codes_on,
+    dequantize,
+    encode_groups,
+    f32_to_bf16,
+    fresh_grid,
+    rule_for,
+)
 from node.weights.patch import INTS, UINTS, ZLIB_LEVEL, encode_values, leb128_encode
 from protocols.weights_file import element_width, read_layout
 
@@ -81,9 +90,16 @@ def _diff(a: np.ndarray, b: np.ndarray) -> tuple[float, float, float]:
 
 
 def fidelity(
-    model_dir: Path, lr: float, versions: int = 50, at: tuple[int, ...] = (10, 50), batch: int = 32, seed: int = 0
+    model_dir: Path,
+    lr: float,
+    versions: int = 50,
+    at: tuple[int, ...] = (10, 50),
+    batch: int = 32,
+    seed: int = 0,
+    bits: int = 8,
 ) -> list[Fidelity]:
-    """Train ``versions`` AdamW steps at ``lr`` on the realistic fixture; the logprob differences at ``at``."""
+    """Train ``versions`` AdamW steps at ``lr`` on the realistic fixture; the logprob differences at ``at`` of the
+    grid at ``bits`` (int8-grid, int4-grid) and MLX's fresh quantization at that width."""
     from trainer.base_model import padded_batch
     from trainer.model import load_model, load_tokenizer
     from trainer.realistic_model import RealisticConfig, _example
@@ -103,10 +119,12 @@ def fidelity(
         out = {}
         for n in names:
             g = _bf16(params[n]).reshape(-1, GROUP)
-            out[n] = encode_groups(g, None if prev is None else prev[n][1:3], rule)
+            out[n] = encode_groups(g, None if prev is None else prev[n][1:3], rule, bits)
         return out
 
-    with_rule = grids(GridRule(), None)
+    rule = rule_for(bits)
+    fresh_label = f"fresh int{bits}"
+    with_rule = grids(rule, None)
     no_rule = with_rule
     regridded = 0
     total_groups = sum(v[1].size for v in with_rule.values())
@@ -121,7 +139,7 @@ def fidelity(
             loss.backward()
             opt.step()
             prev_codes = {n: c[0] for n, c in with_rule.items()}
-            with_rule, no_rule = grids(GridRule(), with_rule), grids(NO_RULE, no_rule)
+            with_rule, no_rule = grids(rule, with_rule), grids(NO_RULE, no_rule)
             regridded += sum(int(c[3].sum()) for c in with_rule.values())
         now_bf16 = {n: _bf16(p) for n, p in params.items()}
         if v:
@@ -138,9 +156,9 @@ def fidelity(
         fresh = {}
         for n in names:
             g = now_bf16[n].reshape(-1, GROUP)
-            s, b = fresh_grid(g)  # MLX: codes against the float32 scale, dequantized with the bf16 one
-            fresh[n] = dequantize(codes_on(g, s, b), f32_to_bf16(s), f32_to_bf16(b)).reshape(params[n].shape)
-        variants["fresh int8"] = {**now_bf16, **fresh}
+            s, b = fresh_grid(g, bits)  # MLX: codes against the float32 scale, dequantized with the bf16 one
+            fresh[n] = dequantize(codes_on(g, s, b, bits), f32_to_bf16(s), f32_to_bf16(b)).reshape(params[n].shape)
+        variants[fresh_label] = {**now_bf16, **fresh}
         for label, g in (("grid", with_rule), ("grid, no rule", no_rule)):
             deq = {n: dequantize(g[n][0], g[n][1], g[n][2]).reshape(params[n].shape) for n in names}
             variants[label] = {**now_bf16, **deq}
@@ -150,10 +168,10 @@ def fidelity(
                                       strict=False)  # fmt: skip
             lps[label] = _token_logprobs(evaluator, *ev)
         pairs = {
-            "fresh int8 vs bf16": _diff(lps["fresh int8"], lps["bf16"]),
+            f"{fresh_label} vs bf16": _diff(lps[fresh_label], lps["bf16"]),
             "grid vs bf16": _diff(lps["grid"], lps["bf16"]),
-            "grid vs fresh int8": _diff(lps["grid"], lps["fresh int8"]),
-            "grid no rule vs fresh int8": _diff(lps["grid, no rule"], lps["fresh int8"]),
+            f"grid vs {fresh_label}": _diff(lps["grid"], lps[fresh_label]),
+            f"grid no rule vs {fresh_label}": _diff(lps["grid, no rule"], lps[fresh_label]),
         }
         out.append(Fidelity(lr, v, len(lps["bf16"]), pairs, regridded, total_groups, codes_changed, bf16_changed))
     return out

@@ -1,6 +1,6 @@
-"""bench/draws_grid: honest int8-grid samplers against the trainer's verification limits (issue 27).
+"""bench/draws_grid: honest int8-grid (int4-grid) samplers against the trainer's verification limits (issue 27).
 
-    .venv/bin/python bench/draws_grid.py [--lr 1e-5] [--versions 50] [--scale 1.0]   # ~30-60 min here
+    .venv/bin/python bench/draws_grid.py [--lr 1e-5] [--versions 50] [--scale 1.0] [--bits 8|4]   # ~30-60 min here
 
 The realistic trained fixture (trainer/realistic_model.py: peaked distributions, what the limits were calibrated
 on) takes ``--versions`` real AdamW steps (fp32 master weights) at an RL learning rate on its own task; each
@@ -15,6 +15,8 @@ node/intake/noise.py for its declared mode (mlx/<compute>/q8), one peer's histor
 Baseline, in the same run and on the same version: an MLX engine that quantizes the bf16 version itself (a fresh
 grid: what an MLX int8 sampler of a bf16 chain runs). Target: 0 int8-grid groups refused, 0 sequential strikes.
 The result goes into bench/results/draws.txt (its int8-grid section, replaced on each run) and draws_grid.png.
+``--bits 4``: the same for int4-grid versions and MLX int4 engines, which declare q4 and face q4's limits (its own
+section, draws_grid_int4.png).
 """
 
 from __future__ import annotations
@@ -34,10 +36,14 @@ from bench.draws import CHUNK, MAX_TOKENS, SETTINGS, G, Record  # noqa: E402
 OUT = ROOT / "runs" / "draws_grid"
 RESULTS = ROOT / "bench" / "results" / "draws.txt"
 PLOT = ROOT / "bench" / "results" / "draws_grid.png"
-SECTION = "int8-grid samplers (bench/draws_grid.py"
-# mode -> (compute, grid?): the int8-grid engine, and the fresh-quantizing baseline beside it
-MODES = {"grid-q8-bf16": ("bf16", True), "fresh-q8-bf16": ("bf16", False), "grid-q8-fp32": ("fp32", True),
-         "fresh-q8-fp32": ("fp32", False)}  # fmt: skip
+SECTION = "int{bits}-grid samplers (bench/draws_grid.py"
+# mode -> (compute, grid?): the grid engine, and the fresh-quantizing baseline beside it ({q}: q8, or q4 at --bits 4)
+MODES = {"grid-{q}-bf16": ("bf16", True), "fresh-{q}-bf16": ("bf16", False), "grid-{q}-fp32": ("fp32", True),
+         "fresh-{q}-fp32": ("fp32", False)}  # fmt: skip
+
+
+def modes_of(bits: int) -> dict[str, tuple[str, bool]]:
+    return {name.format(q=f"q{bits}"): how for name, how in MODES.items()}
 
 
 def groups_for(mode: str, setting: tuple[float, float], scale: float) -> int:
@@ -45,8 +51,10 @@ def groups_for(mode: str, setting: tuple[float, float], scale: float) -> int:
     return max(8, int(n * scale))
 
 
-def train_versions(model_dir: Path, lr: float, versions: int, batch: int = 32, seed: int = 0) -> tuple[Path, Path]:
-    """(the bf16 model dir, the int8-grid model dir) of the last version, after ``versions`` AdamW steps."""
+def train_versions(
+    model_dir: Path, lr: float, versions: int, batch: int = 32, seed: int = 0, bits: int = 8
+) -> tuple[Path, Path]:
+    """(the bf16 model dir, the grid model dir at ``bits``) of the last version, after ``versions`` AdamW steps."""
     import torch
 
     from node.weights.grid import GridStats, encode_grid_file
@@ -72,19 +80,24 @@ def train_versions(model_dir: Path, lr: float, versions: int, batch: int = 32, s
         bf16 = save_model_dir(model, OUT / "versions" / f"bf16-v{v}", model_dir, torch.bfloat16)
         grid = OUT / "versions" / f"grid-v{v}"
         shutil.copytree(bf16, grid)
-        stats = encode_grid_file(bf16 / "model.safetensors", grid / "model.safetensors", parent)
+        stats = encode_grid_file(bf16 / "model.safetensors", grid / "model.safetensors", parent, bits=bits)
         regridded += stats.regridded if v else 0
         if parent is not None:
             shutil.rmtree(parent.parent, ignore_errors=True)
             shutil.rmtree(OUT / "versions" / f"bf16-v{v - 1}", ignore_errors=True)
         parent = grid / "model.safetensors"
-    trained = f"{versions} versions at lr {lr:g}: {regridded} of {stats.groups} groups re-gridded after the anchor"
+    trained = (
+        f"{versions} versions at lr {lr:g}, int{bits}-grid: {regridded} of {stats.groups} groups re-gridded after the "
+        "anchor"
+    )
     (OUT / "versions" / "trained.txt").write_text(trained + "\n")
     print(trained)
     return OUT / "versions" / f"bf16-v{versions}", OUT / "versions" / f"grid-v{versions}"
 
 
-def measure(bf16: Path, grid: Path, modes: list[str], scale: float, threads: int) -> dict[str, list[Record]]:
+def measure(
+    bf16: Path, grid: Path, modes: list[str], scale: float, threads: int, bits: int = 8
+) -> dict[str, list[Record]]:
     import torch
 
     from node.engines.mlx_engine import MlxEngine
@@ -101,8 +114,8 @@ def measure(bf16: Path, grid: Path, modes: list[str], scale: float, threads: int
     scorer = load_model(bf16).eval()  # the bf16 version widened to fp32: the trainer's replay of what it published
     out: dict[str, list[Record]] = {}
     for mode in modes:
-        compute, on_grid = MODES[mode]
-        engine = MlxEngine(grid if on_grid else bf16, bits=8, batch_size=CHUNK * G, compute=compute)
+        compute, on_grid = modes_of(bits)[mode]
+        engine = MlxEngine(grid if on_grid else bf16, bits=bits, batch_size=CHUNK * G, compute=compute)
         records: list[Record] = []
         t0 = time.perf_counter()
         for si, (temp, top_p) in enumerate(SETTINGS):
@@ -142,7 +155,7 @@ def summary(records: list[Record]) -> tuple[int, int, float, float]:
     return tokens, flips, float(np.mean(errs)), float(np.max(errs))
 
 
-def plot(rows: dict[str, tuple], path: Path) -> None:
+def plot(rows: dict[str, tuple], path: Path, bits: int = 8) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -156,9 +169,21 @@ def plot(rows: dict[str, tuple], path: Path) -> None:
     axes[1].set_ylabel("mean |claimed - replayed logprob| (nats)")
     for ax in axes:
         ax.tick_params(axis="x", rotation=30)
-    fig.suptitle("int8-grid (frozen grids) vs a fresh MLX int8 grid, same version")
+    fig.suptitle(f"int{bits}-grid (frozen grids) vs a fresh MLX int{bits} grid, same version")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def replace_section(text: str, section: str, lines: list[str]) -> str:
+    """``text`` with the block of lines headed ``section`` (up to the next grid section's header, or the end)
+    replaced by ``lines``, or ``lines`` appended: each width's section is kept apart, in place."""
+    old = text.rstrip("\n").split("\n") if text else []
+    starts = [i for i, line in enumerate(old) if "-grid samplers (bench/draws_grid.py" in line]
+    mine = next((i for i in starts if old[i].startswith(section)), None)
+    if mine is None:
+        return "\n".join(old + lines) + "\n"
+    end = next((i for i in starts if i > mine), len(old))
+    return "\n".join(old[:mine] + lines + old[end:]) + "\n"
 
 
 def main() -> None:
@@ -166,7 +191,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--versions", type=int, default=50)
     p.add_argument("--scale", type=float, default=1.0, help="multiply every group count")
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--bits", type=int, choices=(8, 4), default=8, help="int8-grid or int4-grid samplers")
+    p.add_argument("--modes", default="", help="comma-separated (default: all four of --bits)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--reuse", action="store_true", help="sample the versions trained by the last run again")
     args = p.parse_args()
@@ -174,14 +200,15 @@ def main() -> None:
 
     t0 = time.perf_counter()
     last = OUT / "versions" / f"grid-v{args.versions}"
-    if args.reuse and (last / "model.safetensors").exists():
+    trained = OUT / "versions" / "trained.txt"
+    if args.reuse and (last / "model.safetensors").exists() and f"int{args.bits}-grid" in trained.read_text():
         bf16, grid = OUT / "versions" / f"bf16-v{args.versions}", last
         print(f"reusing {bf16} and {grid} ({(OUT / 'versions' / 'trained.txt').read_text().strip()})")
     else:
-        bf16, grid = train_versions(cached_realistic_model(), args.lr, args.versions)
+        bf16, grid = train_versions(cached_realistic_model(), args.lr, args.versions, bits=args.bits)
     by_mode: dict[str, list[Record]] = {}
-    for mode in args.modes.split(","):  # the results so far written after each mode
-        by_mode.update(measure(bf16, grid, [mode], args.scale, args.threads))
+    for mode in args.modes.split(",") if args.modes else modes_of(args.bits):  # results written after each mode
+        by_mode.update(measure(bf16, grid, [mode], args.scale, args.threads, args.bits))
         write(by_mode, args, time.perf_counter() - t0)
 
 
@@ -189,12 +216,15 @@ def write(by_mode: dict[str, list[Record]], args: argparse.Namespace, seconds: f
     from bench.draws_report import check_all
 
     rows = {m: summary(r) for m, r in by_mode.items()}
+    b, q = args.bits, f"q{args.bits}"
+    section = SECTION.format(bits=b)
     lines = [
-        f"{SECTION}, {time.strftime('%Y-%m-%d')}): the realistic fixture after {args.versions} AdamW versions at lr "
+        f"{section}, {time.strftime('%Y-%m-%d')}): the realistic fixture after {args.versions} AdamW versions at lr "
         f"{args.lr:g}, each encoded on its parent's grid file (grids frozen since version 0, re-gridded by the rule); "
-        "an MLX int8 engine built from the int8-grid model dir as a sampler installs it, against one that quantizes "
-        "the bf16 version itself (fresh grid), same version, same seeds; the trainer replays from the bf16 version "
-        f"(float64). {seconds:.0f} s. {(OUT / 'versions' / 'trained.txt').read_text().strip()}.",
+        f"an MLX int{b} engine built from the int{b}-grid model dir as a sampler installs it, against one that "
+        "quantizes the bf16 version itself (fresh grid), same version, same seeds; the trainer replays from the bf16 "
+        f"version (float64); each declares {q} and faces {q}'s limits. {seconds:.0f} s. "
+        f"{(OUT / 'versions' / 'trained.txt').read_text().strip()}.",
         *check_all(by_mode),
     ]
     for mode, (tokens, flips, mean_err, max_err) in rows.items():
@@ -202,16 +232,16 @@ def write(by_mode: dict[str, list[Record]], args: argparse.Namespace, seconds: f
         lines.append(f"{mode:<14} tokens {tokens:>7}: outside the replayed interval {flips} ({rate:.2f} per 1000), "
                      f"|dlogprob| mean {mean_err:.2e} max {max_err:.2e}")  # fmt: skip
     for c in ("bf16", "fp32"):
-        g, f = rows.get(f"grid-q8-{c}"), rows.get(f"fresh-q8-{c}")
+        g, f = rows.get(f"grid-{q}-{c}"), rows.get(f"fresh-{q}-{c}")
         if g and f:
             ratio = (g[1] / max(1, g[0])) / max(1e-12, f[1] / max(1, f[0]))
             lines.append(f"ratio grid / fresh ({c} compute): flips per token {ratio:.2f}x, mean |dlogprob| "
                          f"{g[2] / f[2]:.2f}x")  # fmt: skip
     print("\n".join(lines))
-    old = RESULTS.read_text().split("\n" + SECTION)[0].rstrip("\n") if RESULTS.exists() else ""
-    RESULTS.write_text(old + "\n" + "\n".join(lines) + "\n")
-    plot(rows, PLOT)
-    print(f"wrote {RESULTS} and {PLOT}")
+    RESULTS.write_text(replace_section(RESULTS.read_text() if RESULTS.exists() else "", section, lines))
+    png = PLOT if b == 8 else PLOT.with_name(f"draws_grid_int{b}.png")
+    plot(rows, png, b)
+    print(f"wrote {RESULTS} and {png}")
 
 
 if __name__ == "__main__":

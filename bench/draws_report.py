@@ -49,6 +49,11 @@ MODE_OF = {
     "fresh-q8-bf16": Mode("mlx", "bf16", "q8"),
     "grid-q8-fp32": Mode("mlx", "fp32", "q8"),
     "fresh-q8-fp32": Mode("mlx", "fp32", "q8"),
+    # and MLX int4 samplers on int4-grid versions (bench/draws_grid.py --bits 4), checked with q4's limits
+    "grid-q4-bf16": Mode("mlx", "bf16", "q4"),
+    "fresh-q4-bf16": Mode("mlx", "bf16", "q4"),
+    "grid-q4-fp32": Mode("mlx", "fp32", "q4"),
+    "fresh-q4-fp32": Mode("mlx", "fp32", "q4"),
 }
 TRANSPORT = {"wire8-fp32": "wire8", "wire8-q8-bf16": "wire8"}
 

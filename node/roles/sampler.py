@@ -93,7 +93,7 @@ class SamplerRole:
         encoding: str = DEFAULT_ENCODING,
     ) -> None:
         """``encoding``: the weights encoding this sampler receives (node/engines ``weights_encoding``: int8-grid
-        suits an MLX int8 engine; the default, bf16/native, suits every engine)."""
+        suits an MLX int8 engine, int4-grid an int4 one; the default, bf16/native, suits every engine)."""
         if config.trainer_id is None:
             raise ValueError("a sampler needs the trusted trainer's peer id")
         self.config = config

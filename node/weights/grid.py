@@ -65,10 +65,11 @@ class GridRule:
     """When a group's frozen grid is replaced by a fresh one: when an element lies more than ``excess_steps`` steps
     outside its codes 0..LEVELS (worst error 0.5 + excess_steps steps), or its step is over ``step_ratio`` times the
     fresh one (inside the range every error is at most half a step). A fresh MLX grid itself clips its far end (its
-    scale is rescaled to put zero on a code, then rounded to bf16; measured on normal weights at 8 bits: median 0.1,
-    99th percentile 1.0-1.5, max 1.5-2.3 steps; at 4 bits, where a step is 17x wider: median 0.18, 99th percentile
-    0.97, max 1.02), so the bound is set just past that (``rule_for``): a frozen grid is re-gridded only when it is
-    worse than any fresh one, and never for the noise of which code zero snaps to."""
+    scale is rescaled to put zero on a code, then rounded to bf16; measured on 10^6 normal groups at 8 bits: median
+    0.24, 99th percentile 1.5, max 2.4 steps, 0.014% of groups past 2; at 4 bits, where a step is 17x wider: median
+    0.18, 99th percentile 0.97, max 1.03), so the bound is set just past that (``rule_for``): a frozen grid is
+    re-gridded only when it is worse than (nearly) any fresh one, and never for the noise of which code zero snaps
+    to."""
 
     excess_steps: float = 2.0
     step_ratio: float = 1.25

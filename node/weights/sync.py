@@ -16,9 +16,9 @@ stored. A pushed chunk is taken only for a version being chased, from the origin
 and only once its blake3 matches (a bad one is a strike); the download asks no one for a chunk a push is bringing
 until ``policy.push_wait`` has passed.
 
-A node runs one encoding (``encoding``: bf16/native, or int8-grid for an MLX int8 sampler). Polling the trainer for
-the newest version it names it (a node running the default names none), and it adopts versions in its own encoding,
-or in the default one until one in its own has come (node/weights/encodings.py, ``takes``).
+A node runs one encoding (``encoding``: bf16/native, or int8-grid/int4-grid for an MLX int8/int4 sampler). Polling
+the trainer for the newest version it names it (a node running the default names none), and it adopts versions in
+its own encoding, or in the default one until one in its own has come (node/weights/encodings.py, ``takes``).
 
 Which version to chase, when to give up on a download or an announcer, when to rebuild: node/weights/policy.py."""
 
