@@ -457,9 +457,13 @@ async def request(
 
 
 async def _close(stream: INetStream) -> None:
-    """Close a stream we are done with, or reset it where the close fails: either releases its slot in its host
-    (``StreamPool.take``); a close that raised left it held."""
+    """Close a stream we are done with, or reset it where the close fails or is cancelled (a request's deadline
+    firing while it closes a stale stream): either releases its slot in its host (``StreamPool.take``); a close that
+    raised, or was cut short, left it held."""
     try:
         await stream.close()
     except Exception:
         await _reset(stream)
+    except BaseException:  # cancelled mid-close: reset (shielded), then let the cancellation go on
+        await _reset(stream)
+        raise

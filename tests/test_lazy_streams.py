@@ -139,3 +139,31 @@ async def test_a_kept_stream_past_its_idle_time_is_closed_not_dropped():
             (server_side,) = b.get_network().get_connections(a.get_id())
             while len(server_side.streams) > 1:  # their handlers saw the close and ended them
                 await trio.sleep(0.01)
+
+
+@pytest.mark.trio
+async def test_a_stale_streams_close_cut_short_by_the_deadline_still_frees_its_slot():
+    """The stale streams are closed inside the next request's deadline. A close the deadline cuts short (a peer
+    slow to acknowledge it) once left the stream in its connection, and its slot held; now it is reset."""
+    a, b = build_host(create_new_key_pair()), build_host(create_new_key_pair())
+    with trio.fail_after(30):
+        async with a.run([LISTEN]), b.run([LISTEN]):
+            b.set_stream_handler(ECHO, serve("echo", echo, max_request=1024, max_reply=1024))
+            await a.connect(info(b))
+            pool = StreamPool()
+            key = (str(a.get_id()), str(b.get_id()), ECHO)
+            ask = {"v": 1, "t": "echo", "n": 1}
+            await request(a, b.get_id(), ECHO, ask, max_request=1024, max_reply=1024, pool=pool)
+            (entry,) = pool.idle[key]
+            entry.since -= pool.max_idle
+
+            async def hangs() -> None:
+                await trio.sleep_forever()
+
+            entry.stream.close = hangs  # the close never ends: the request's deadline cuts it
+            with pytest.raises(trio.TooSlowError):
+                await request(a, b.get_id(), ECHO, ask, max_request=1024, max_reply=1024, timeout=0.3, pool=pool)
+            (conn,) = a.get_network().get_connections(b.get_id())
+            assert len(conn.streams) == 0, conn.streams  # reset: its slot is free
+            reply = await request(a, b.get_id(), ECHO, ask, max_request=1024, max_reply=1024, pool=pool)
+            assert reply["n"] == 1  # the connection serves on
