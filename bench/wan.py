@@ -97,6 +97,7 @@ class Round:
     cpu_share: float  # of the whole machine, during the round
     cpu_seconds: float = 0.0  # the node processes (/proc), from publication until the driver saw every sampler hold it
     phases: list[dict[str, float]] = field(default_factory=list)  # per sampler: heard, fetched, built, got (see below)
+    origin_cpu: float = 0.0  # the origin's process alone, over the same span: one interpreter, one core at most
 
     @property
     def t_all(self) -> float:
@@ -212,13 +213,13 @@ def run_lab(
             (root / "mode").write_text(mode)
             (root / "publish").touch()
             up0 = status(root, "origin").get("bytes_uploaded", 0)
-            cpu0, t0 = cpu_total(), time.time()
+            cpu0, t0, origin0 = cpu_total(), time.time(), proc_cpu(procs[0].pid)
             wait_for(
                 lambda v=version: all(str(v) in status(root, n).get("got", {}) for n in names),
                 900,
                 what=f"version {version} ({mode})",
             )
-            delivery_cpu = cpu_total() - cpu0
+            delivery_cpu, origin_cpu = cpu_total() - cpu0, proc_cpu(procs[0].pid) - origin0
             time.sleep(1.0)  # let the origin's status catch up with its upload counter
             cpu_share = (cpu_total() - cpu0) / ((time.time() - t0) * (os.cpu_count() or 1))
             published = json.loads((root / "published.json").read_text())[str(version)]
@@ -230,9 +231,8 @@ def run_lab(
                 st = status(root, n)
                 mine = {**st.get("phases", {}).get(str(version), {}), "got": st["got"][str(version)]}
                 phases.append({k: t - published["time"] for k, t in mine.items()})
-            rounds.append(
-                Round(mode, version, published["update_bytes"], uploaded, arrivals, cpu_share, delivery_cpu, phases)
-            )
+            size_v = published["update_bytes"]
+            rounds.append(Round(mode, version, size_v, uploaded, arrivals, cpu_share, delivery_cpu, phases, origin_cpu))
             progress.console.print(
                 f"version {version} ({mode}, {published['update_bytes'] / 1e6:.2f} MB): last sampler after "
                 f"{arrivals[-1]:.2f} s, median {statistics.median(arrivals):.2f} s"
@@ -424,7 +424,7 @@ def replay(args: argparse.Namespace) -> int:
             f"    v{r.version}: {r.size / 1e6:.2f} MB, last sampler {r.t_all:.2f} s, median "
             f"{statistics.median(r.arrivals):.2f} s; ideal {ideal:.2f} s ({r.t_all / ideal:.2f}x), ideal + 3 RTT "
             f"{ideal + 3 * rtt:.2f} s; origin upload {r.uploaded / r.size:.2f}x; CPU share {r.cpu_share:.0%}, "
-            f"{r.cpu_seconds / (args.samplers + 1):.2f} CPU-s per node"
+            f"{r.cpu_seconds / (args.samplers + 1):.2f} CPU-s per node, the origin {r.origin_cpu:.2f}"
         )
     if counted:
         within2 = sum(r.t_all <= 2.0 for r in counted)
@@ -436,7 +436,9 @@ def replay(args: argparse.Namespace) -> int:
             f"{within15}/{len(counted)}; within ideal + 3 RTT: {within3}/{len(counted)}; CPU share median "
             f"{statistics.median(r.cpu_share for r in counted):.0%} (idle lab: {idle[-1]:.0%}, settled "
             f"{len(idle) * IDLE_WINDOW:.0f} s from {idle[0]:.0%}); CPU-s per node and "
-            f"version median {statistics.median(r.cpu_seconds for r in counted) / (args.samplers + 1):.2f}",
+            f"version median {statistics.median(r.cpu_seconds for r in counted) / (args.samplers + 1):.2f}, the "
+            f"origin's {statistics.median(r.origin_cpu for r in counted):.2f} (one interpreter: a core at most; "
+            f"{statistics.median(r.origin_cpu / r.t_all for r in counted):.0%} of the time to the last sampler)",
             f"  median over samplers and versions: {phase_line(counted)}",
             floor_line(floor, statistics.median(r.t_all for r in counted), statistics.median(ideals), rtt),
         ]
