@@ -8,7 +8,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
 from node.weights.hashes import manifest_id
-from node.weights.manifest import ForgedManifest, sign_manifest, verify_manifest
+from node.weights.manifest import ForgedManifest, sign_manifest, verify_manifest, verify_once
 from node.weights.publish import Publisher
 from node.weights.store import BadChunk, ChunkStore
 from protocols.weights import SignedManifest
@@ -61,6 +61,33 @@ def test_manifest_signature_is_checked(publisher, tiny_model_dir):
         verify_manifest(tampered, trusted, "t")
     with pytest.raises(ForgedManifest, match="swarm"):
         verify_manifest(signed, trusted, "other-swarm")
+
+
+def test_a_manifest_already_held_is_not_verified_again(publisher, tiny_model_dir, tmp_path):
+    """A version's manifest comes up to three times (push, a crossing poll, an announcement): parsed once. A copy of
+    a held body with a bad signature gets the held pair back, never itself; a new body is verified (and refused if
+    forged)."""
+    pub, key = publisher
+    model = load_model(tiny_model_dir)
+    mid, signed, manifest = publish_model(pub, model, 0, tiny_model_dir)
+    trusted = ID.from_pubkey(key.public_key)
+    store = ChunkStore(tmp_path / "sampler")
+    calls = []
+
+    def verify(s: SignedManifest):
+        calls.append(s)
+        return verify_manifest(s, trusted, "t")
+
+    assert verify_once(signed, store.manifest, verify) == (mid, signed, manifest) and len(calls) == 1
+    store.add_manifest(signed, manifest)
+    assert verify_once(signed, store.manifest, verify) == (mid, signed, manifest) and len(calls) == 1
+    resigned = SignedManifest(signed.body, b"\0" * len(signed.signature), signed.public_key)
+    got = verify_once(resigned, store.manifest, verify)
+    assert got[1] is signed and got[1].signature != resigned.signature and len(calls) == 1
+    forged = sign_manifest(publish_model(pub, model, 1, tiny_model_dir)[2], create_new_key_pair())
+    with pytest.raises(ForgedManifest, match="not the trusted trainer"):
+        verify_once(forged, store.manifest, verify)
+    assert len(calls) == 2
 
 
 def test_store_refuses_bad_chunks_and_resumes_after_restart(publisher, tiny_model_dir, tmp_path):

@@ -45,7 +45,7 @@ from node.weights.encodings import news_floor, takes
 from node.weights.fetcher import Conduct, Download
 from node.weights.gossip import Gossip, announce_topic
 from node.weights.hashes import manifest_id
-from node.weights.manifest import ForgedManifest, chunk_sizes, verify_manifest
+from node.weights.manifest import ForgedManifest, chunk_sizes, verify_manifest, verify_once
 from node.weights.patch import PatchError, TensorMismatch, WeightChanges
 from node.weights.policy import FetchSettings
 from node.weights.server import WeightsClient, push_deadline, push_lane
@@ -363,8 +363,8 @@ class WeightSync:
             if remote != self.trainer_id:
                 raise NotExpected("only the origin pushes manifests")
             try:
-                manifest = verify_manifest(push.manifest, self.trainer_id, self.swarm_name)
-                if manifest_id(push.manifest) != push.mid:
+                mid, signed, manifest = self._verify_once(push.manifest)
+                if mid != push.mid:
                     raise ForgedManifest("a pushed manifest does not hash to the id it came with")
             except ForgedManifest:
                 self.forged_manifests += 1
@@ -375,7 +375,7 @@ class WeightSync:
                 if push.plan is not None:
                     self._take_plan(push.mid, manifest, push.plan)
                 if policy.is_news(manifest.version, self.current, self._floor(manifest.encoding)):
-                    self._adopt(push.manifest, manifest, push.mid)
+                    self._adopt(signed, manifest, push.mid)
         if not push.chunks:
             return w.pushed_reply(0)
         if remote != self.trainer_id and (self._push is None or self._push.mid != push.mid):
@@ -545,10 +545,15 @@ class WeightSync:
                 return None
         else:
             signed = await self.client.manifest(peer, mid, timeout)
-        manifest = verify_manifest(signed, self.trainer_id, self.swarm_name)
-        if mid is not None and manifest_id(signed) != mid:
+        got, signed, manifest = self._verify_once(signed)
+        if mid is not None and got != mid:
             raise ForgedManifest("asked for one manifest, answered with another (a replay?)")
         return signed, manifest
+
+    def _verify_once(self, signed: w.SignedManifest) -> tuple[bytes, w.SignedManifest, w.Manifest]:
+        """(id, signed, manifest): the trusted trainer's for this swarm, verified and parsed once (``verify_once``:
+        one already in the store is the store's)."""
+        return verify_once(signed, self.store.manifest, lambda s: verify_manifest(s, self.trainer_id, self.swarm_name))
 
     def _new_download(self, step: Step) -> Download:
         return Download(
