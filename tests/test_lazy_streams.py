@@ -6,6 +6,10 @@ before a push or a request leaves (0.34 s to a peer 170 ms away). Real hosts on 
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
 import multiaddr
 import pytest
 import trio
@@ -116,18 +120,23 @@ async def test_a_good_answer_is_read_once_and_the_data_follows():
     assert await stream.read(4) == b"more"
 
 
+@asynccontextmanager
+async def echo_pair() -> AsyncIterator[tuple[Any, Any, StreamPool, tuple[str, str, str]]]:
+    """Two hosts on loopback, b serving ECHO and a connected to it: (a, b, a fresh pool, the pool's key a -> b)."""
+    a, b = build_host(create_new_key_pair()), build_host(create_new_key_pair())
+    async with a.run([LISTEN]), b.run([LISTEN]):
+        b.set_stream_handler(ECHO, serve("echo", echo, max_request=1024, max_reply=1024))
+        await a.connect(info(b))
+        yield a, b, StreamPool(), (str(a.get_id()), str(b.get_id()), ECHO)
+
+
 @pytest.mark.trio
 async def test_a_kept_stream_past_its_idle_time_is_closed_not_dropped():
     """A dropped stream stays in its connection for good, and in py-libp2p's host-wide stream semaphore (10,000
     slots, inbound and outbound alike: a full one makes every new stream wait). The pool once dropped stale streams
     unclosed: a sampler leasing once a minute lost a slot or two a minute, and was deaf after a few days."""
-    a, b = build_host(create_new_key_pair()), build_host(create_new_key_pair())
     with trio.fail_after(30):
-        async with a.run([LISTEN]), b.run([LISTEN]):
-            b.set_stream_handler(ECHO, serve("echo", echo, max_request=1024, max_reply=1024))
-            await a.connect(info(b))
-            pool = StreamPool()
-            key = (str(a.get_id()), str(b.get_id()), ECHO)
+        async with echo_pair() as (a, b, pool, key):
             for n in range(5):
                 reply = await request(a, b.get_id(), ECHO, {"v": 1, "t": "echo", "n": n}, max_request=1024,
                                       max_reply=1024, pool=pool)  # fmt: skip
@@ -145,13 +154,8 @@ async def test_a_kept_stream_past_its_idle_time_is_closed_not_dropped():
 async def test_a_stale_streams_close_cut_short_by_the_deadline_still_frees_its_slot():
     """The stale streams are closed inside the next request's deadline. A close the deadline cuts short (a peer
     slow to acknowledge it) once left the stream in its connection, and its slot held; now it is reset."""
-    a, b = build_host(create_new_key_pair()), build_host(create_new_key_pair())
     with trio.fail_after(30):
-        async with a.run([LISTEN]), b.run([LISTEN]):
-            b.set_stream_handler(ECHO, serve("echo", echo, max_request=1024, max_reply=1024))
-            await a.connect(info(b))
-            pool = StreamPool()
-            key = (str(a.get_id()), str(b.get_id()), ECHO)
+        async with echo_pair() as (a, b, pool, key):
             ask = {"v": 1, "t": "echo", "n": 1}
             await request(a, b.get_id(), ECHO, ask, max_request=1024, max_reply=1024, pool=pool)
             (entry,) = pool.idle[key]
