@@ -201,7 +201,8 @@ def main() -> None:
     t0 = time.perf_counter()
     last = OUT / "versions" / f"grid-v{args.versions}"
     trained = OUT / "versions" / "trained.txt"
-    if args.reuse and (last / "model.safetensors").exists() and f"int{args.bits}-grid" in trained.read_text():
+    reusable = trained.exists() and f"int{args.bits}-grid" in trained.read_text()
+    if args.reuse and (last / "model.safetensors").exists() and reusable:
         bf16, grid = OUT / "versions" / f"bf16-v{args.versions}", last
         print(f"reusing {bf16} and {grid} ({(OUT / 'versions' / 'trained.txt').read_text().strip()})")
     else:
