@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from node.config import ROLES, SwarmSettings
-from node.engines import received_encoding
+from node.engines import GRID_ENCODINGS, received_encoding
 from trainer.errors import UserError
 from trainer.settings import LearnerSettings, knob
+
+GRID_BITS_FLAG = {encoding: bits for bits, encoding in GRID_ENCODINGS.items()}  # "int4-grid" -> "4"
 
 
 @dataclass
@@ -103,11 +105,11 @@ class SamplerSettings:
         "publishes a second chain), or auto (the grid of an MLX 8- or 4-bit engine computing in bf16 or fp32, native "
         "otherwise)",
         flag="receive-encoding",
-        choices=("auto", "native", "int8-grid", "int4-grid"),
+        choices=("auto", "native", *GRID_BITS_FLAG),
         moot=lambda s: (
-            f"{s.encoding} runs only on an MLX engine with {s.encoding[3]}-bit weights computing in bf16 or fp32 "
-            f"(--engine mlx --bits {s.encoding[3]})"
-            if s.encoding.endswith("-grid") and received_encoding(s.engine, s.bits, s.compute, "auto") != s.encoding
+            f"{s.encoding} runs only on an MLX engine with {GRID_BITS_FLAG[s.encoding]}-bit weights computing in bf16 "
+            f"or fp32 (--engine mlx --bits {GRID_BITS_FLAG[s.encoding]})"
+            if s.encoding in GRID_BITS_FLAG and received_encoding(s.engine, s.bits, s.compute, "auto") != s.encoding
             else None
         ),
     )

@@ -14,9 +14,9 @@ import torch
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from node.engines import weights_encoding
+from node.engines import GRID_ENCODINGS, weights_encoding
 from node.weights.encodings import encodings_to_publish, news_floor, offered_encodings, push_encoding, takes
-from node.weights.grid import GRID_ENCODING, encode_grid_file, file_grid_bits, mlx_tensors
+from node.weights.grid import GRID_BITS, GRID_ENCODING, encode_grid_file, file_grid_bits, mlx_tensors
 from node.weights.hashes import manifest_id
 from node.weights.manifest import WEIGHTS_FILE
 from node.weights.publish import Publisher
@@ -64,6 +64,7 @@ def test_a_sampler_takes_its_own_encoding_and_the_default_only_until_its_own_cam
     assert weights_encoding("mlx", "8", "auto") == "int8-grid" and weights_encoding("mlx", "8", "fp32") == "int8-grid"
     assert weights_encoding("mlx", "8", "fp16") == "native" and weights_encoding("mlx", "4") == "int4-grid"
     assert weights_encoding("mlx", "4", "fp16") == "native" and weights_encoding("mlx", "none") == "native"
+    assert {int(b): e for b, e in GRID_ENCODINGS.items()} == {b: e for e, b in GRID_BITS.items()}  # one fact, two ends
     assert weights_encoding("torch", "none") == "native" and weights_encoding("auto", "8", platform="linux") == "native"
 
 

@@ -39,12 +39,15 @@ def auto_engine(platform: str = sys.platform) -> str:
     return "mlx" if platform == "darwin" and mlx_available() else "torch"
 
 
+GRID_ENCODINGS = {"8": "int8-grid", "4": "int4-grid"}  # --bits -> the grid encoding (node/weights/grid.py GRID_BITS)
+
+
 def weights_encoding(engine: str, bits: str, compute: str = "auto", platform: str = sys.platform) -> str:
     """The weights encoding an engine runs best from: ``int8-grid`` (``int4-grid``; node/weights/grid.py: MLX's own
     8-bit (4-bit) group codes, loaded as they are, patched code by code) for an MLX engine with 8-bit (4-bit)
     weights computing in bf16 or fp32 (fp16 cannot hold a bf16 scale exactly); ``native`` (bf16) for every other."""
     name = auto_engine(platform) if engine == "auto" else engine
-    grid = {"8": "int8-grid", "4": "int4-grid"}.get(bits)
+    grid = GRID_ENCODINGS.get(bits)
     return grid if grid is not None and name == "mlx" and compute in ("auto", "bf16", "fp32") else "native"
 
 

@@ -36,7 +36,7 @@ from node.weights.store import ChunkStore
 from protocols import weights as w
 
 MAX_DECLARED = 1 << 14  # peers whose declaration is remembered (the oldest forgotten first)
-GRID_QUANT = {"int8-grid": "q8", "int4-grid": "q4"}  # the weight quantization a grid encoding's samplers run
+GRID_QUANT = {enc: f"q{bits}" for enc, bits in GRID_BITS.items()}  # the quantization a grid encoding's samplers run
 
 
 # -- pure rules ----------------------------------------------------------------------------------------------------

@@ -365,11 +365,6 @@ def read_grid(path: Path) -> dict[str, np.ndarray]:
         return {t.name: elements(read_span(fh, t.offset, t.nbytes), t) for t in tensors}
 
 
-def is_grid_file(path: Path) -> bool:
-    """Whether a weights file is a grid one (group codes with their scales), by its header alone."""
-    return file_grid_bits(path) is not None
-
-
 def file_grid_bits(path: Path) -> int | None:
     """A grid file's code width (8 or 4) by its header alone; None for a file that holds no group codes."""
     _head, tensors = read_layout(path)
