@@ -416,6 +416,38 @@ async def open_stream(host: IHost, peer_id: ID, protocol: str) -> INetStream:
     return LazyStream(stream, protocol)  # type: ignore[return-value]
 
 
+class AnswerClock:
+    """How long answers to this node's requests take, and so how long the next one may: TCP's retransmission timer
+    (RFC 6298). ``timeout`` is SRTT + 4 RTTVAR over the answers timed (``answered``), within [``floor``,
+    ``ceiling``], doubled for each request in a row that got no answer within it (``late``; Karn's backoff) and
+    back once one is answered. A fixed deadline tuned on an idle machine abandons every answer of a loaded one and
+    asks again, adding the load that made it slow: at N = 128 on one box (bench/swarm_scale) work requests took
+    15-40 s against a fixed 30 s, 109 of 128 samplers' last error was that timeout, the trainer issued a lease for
+    every retry, and a 20 KB version's chunk requests timed out at 3 s, over and over, while the loops lagged ~1 s.
+    A peer that never answers still costs at most ``ceiling`` a request."""
+
+    def __init__(self, floor: float, ceiling: float) -> None:
+        self.floor, self.ceiling = floor, ceiling
+        self.srtt: float | None = None
+        self.rttvar = 0.0
+        self.late_in_a_row = 0
+
+    def timeout(self) -> float:
+        base = self.floor if self.srtt is None else max(self.floor, self.srtt + 4 * self.rttvar)
+        return min(self.ceiling, base * 2 ** min(self.late_in_a_row, 16))
+
+    def answered(self, seconds: float) -> None:
+        if self.srtt is None:
+            self.srtt, self.rttvar = seconds, seconds / 2
+        else:
+            self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - seconds)
+            self.srtt = 0.875 * self.srtt + 0.125 * seconds
+        self.late_in_a_row = 0
+
+    def late(self) -> None:
+        self.late_in_a_row += 1
+
+
 async def request(
     host: IHost,
     peer_id: ID,

@@ -20,7 +20,7 @@ from node.engines import install as install_weights
 from node.errors import describe
 from node.host import Swarm
 from node.roles.trainer_rpc import TrainerClient
-from node.rpc import backpressure
+from node.rpc import AnswerClock, backpressure
 from node.settings import Settings
 from node.weights.patch import WeightChanges
 from node.weights.server import WeightServer
@@ -35,6 +35,8 @@ from protocols.work import SamplerReport, TaskSpec, WorkLease, WorkRequest
 log = logging.getLogger(__name__)
 
 
+WORK_TIMEOUT = 30.0  # seconds a work request may take before the trainer has answered a few (then: AnswerClock)
+WORK_TIMEOUT_MOST = 120.0  # ... at most: a lease that took longer to arrive than a lease lives would come expired
 LEASE_FILL = 0.5  # of a lease's life, what a sampler plans to spend sampling it (the rest: weights, lag, resends)
 GROUP_TIME_WEIGHT = 0.3  # weight of the newest group in the running mean of seconds per group
 
@@ -122,6 +124,7 @@ class SamplerRole:
         self.group_seconds: float | None = None  # running mean of one group's time, sampling to acknowledgement
         self.lease_seconds: float | None = None  # the life of the last lease the trainer gave us
         self._engine_lock = trio.Lock()
+        self.work_clock = AnswerClock(WORK_TIMEOUT, WORK_TIMEOUT_MOST)  # how long the trainer takes to give work
 
     def register(self, swarm: Swarm) -> None:
         self.swarm = swarm
@@ -171,8 +174,7 @@ class SamplerRole:
         while True:
             await self.discovery.trainer_found.wait()
             try:
-                ask = groups_to_ask(self.group_seconds, self.lease_seconds, self.settings.groups_per_request)
-                lease = await self.trainer.lease(self.trainer_id, WorkRequest(ask, self.report()))
+                lease = await self.ask_for_work()
             except RemoteError as exc:
                 self.last_error = str(exc)
                 pause = backpressure(exc)
@@ -200,6 +202,23 @@ class SamplerRole:
                 took = trio.current_time() - started
                 mean = self.group_seconds
                 self.group_seconds = took if mean is None else mean + GROUP_TIME_WEIGHT * (took - mean)
+
+    async def ask_for_work(self) -> WorkLease:
+        """One work request, given as long as the trainer's answers have been taking here (``work_clock``): a
+        request that runs out of time is waited for longer the next time, not given up on at the same deadline while
+        the trainer issues a lease for each (a closed connection or a refusal still ends it at once)."""
+        ask = groups_to_ask(self.group_seconds, self.lease_seconds, self.settings.groups_per_request)
+        request, asked = WorkRequest(ask, self.report()), trio.current_time()
+        try:
+            lease = await self.trainer.lease(self.trainer_id, request, self.work_clock.timeout())
+        except trio.TooSlowError:
+            self.work_clock.late()
+            raise
+        except RemoteError:
+            self.work_clock.answered(trio.current_time() - asked)
+            raise
+        self.work_clock.answered(trio.current_time() - asked)
+        return lease
 
     async def _fresh_enough(self, lease: WorkLease) -> bool:
         """Don't sample what the trainer will refuse as stale: wait for newer weights (up to the lease's life)."""
@@ -314,6 +333,7 @@ class SamplerRole:
             "last_strike": self.last_strike,
             "rate_limited": self.rate_limited,
             "stale_waits": self.stale_waits,
+            "work_timeout": round(self.work_clock.timeout(), 1),
             "last_error": self.last_error,
             "trainer_found_by": dict(self.discovery.trainer_found_by),
             **self.weights.status(),

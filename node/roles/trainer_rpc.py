@@ -64,7 +64,7 @@ class TrainerClient:
         self.host = host
         self.rollout_timeout = rollout_timeout
 
-    async def lease(self, trainer: ID, req: WorkRequest) -> WorkLease:
+    async def lease(self, trainer: ID, req: WorkRequest, timeout: float = 30.0) -> WorkLease:
         reply = await request(
             self.host,
             trainer,
@@ -72,6 +72,7 @@ class TrainerClient:
             req.to_wire(),
             max_request=work.MAX_REQUEST_FRAME,
             max_reply=work.MAX_FRAME,
+            timeout=timeout,
         )
         return WorkLease.from_wire(reply)
 

@@ -290,16 +290,25 @@ def fit(batch: Sequence[int], sizes: Sequence[int], room: int) -> list[int]:
     return out
 
 
+ANSWERS_MOST = 60.0  # seconds: the most a reply's deadline stretches to how long answers take here (AnswerClock)
+
+
 def reply_deadline(
-    from_origin: bool, size: int, in_flight: int, rate: float, settings: FetchSettings
+    from_origin: bool, size: int, in_flight: int, rate: float, settings: FetchSettings, answers: float = 0.0
 ) -> float:  # fmt: skip
     """Seconds a reply of ``size`` bytes may take. The origin is trusted and shared by everyone: only the request
     timeout applies. A peer must send at ``min_rate``, and its reply may queue on our own downlink behind the
-    ``in_flight`` bytes requested before it (at the rate chunks have been arriving)."""
+    ``in_flight`` bytes requested before it (at the rate chunks have been arriving). Never less than ``answers``
+    (up to ``ANSWERS_MOST``): how long this node's chunk requests have been taking to be answered (node/rpc.py
+    ``AnswerClock``), which on a loaded machine is its own loop's lag and not the peer's fault: at 3 s for a 20 KB
+    chunk, a loaded node (bench/swarm_scale, N = 128) gave up on every reply, benched the peers that sent them, and
+    never finished a version."""
     if from_origin:
-        return settings.request_timeout
-    queued = in_flight / (rate or settings.min_rate)
-    return min(settings.request_timeout, 3.0 + max(size / settings.min_rate, queued))
+        own = settings.request_timeout
+    else:
+        queued = in_flight / (rate or settings.min_rate)
+        own = min(settings.request_timeout, 3.0 + max(size / settings.min_rate, queued))
+    return max(own, min(ANSWERS_MOST, answers))
 
 
 # -- blame -----------------------------------------------------------------------------------------------------

@@ -669,7 +669,8 @@ class WeightSync:
         is mostly done or the previous download was cancelled too: where the trainer publishes faster than a
         link moves a version, cancelling every time would leave the node holding nothing usable, forever.
         A download being finished that stops moving (its last chunks were garbage-collected everywhere) is
-        cancelled after ``stall_timeout`` seconds without progress."""
+        cancelled after ``stall_timeout`` seconds without progress, or as long as a chunk reply may take here
+        (``policy.reply_deadline``'s floor: on a loaded node a 10 s stall was every reply still on its way)."""
         await self._target_changed.wait()
         if policy.cancel_for_newer(download.fraction_done(), self.settings.finish_fraction, self._cancelled_in_a_row):
             scope.cancel()
@@ -677,7 +678,7 @@ class WeightSync:
         log.info("version %d is %.0f%% here: finishing it first", version, 100 * download.fraction_done())
         while True:
             left = len(download.missing)
-            await trio.sleep(self.settings.stall_timeout)
+            await trio.sleep(max(self.settings.stall_timeout, min(policy.ANSWERS_MOST, self.conduct.answers.timeout())))
             if len(download.missing) == left:
                 log.warning("version %d stalled with %d chunks to go; moving on to the newest", version, left)
                 scope.cancel()

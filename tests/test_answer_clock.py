@@ -1,0 +1,99 @@
+"""Deadlines that follow how long answers take here (node/rpc.py ``AnswerClock``, issue 29): a loaded node's requests
+are slow, not lost. With fixed deadlines, N = 128 samplers on one box gave up on work requests answered in 15-40 s
+(30 s) and on chunk replies of a 20 KB version (3 s), asked again, and collapsed (bench/swarm_scale)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import multiaddr
+import pytest
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.peerinfo import PeerInfo
+
+from node.host import build_host
+from node.local_swarm import node_config, settings
+from node.roles.sampler import WORK_TIMEOUT, WORK_TIMEOUT_MOST, SamplerRole
+from node.roles.trainer_rpc import TrainerClient
+from node.rpc import AnswerClock, serve
+from node.weights import policy
+from protocols import work
+from protocols.work import SamplingParams, TaskSpec, WorkLease
+
+LISTEN = multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")
+
+
+def test_before_any_answer_the_floor_holds():
+    assert AnswerClock(30.0, 120.0).timeout() == 30.0
+
+
+def test_the_timeout_follows_answers_srtt_plus_four_rttvar():
+    clock = AnswerClock(1.0, 100.0)
+    clock.answered(10.0)  # first sample: srtt 10, rttvar 5 (RFC 6298)
+    assert clock.timeout() == pytest.approx(30.0)
+    for _ in range(50):
+        clock.answered(10.0)  # steady answers: the variance fades, the timeout comes down to them
+    assert 10.0 < clock.timeout() < 11.0
+    for _ in range(50):
+        clock.answered(0.01)  # fast again: back to the floor
+    assert clock.timeout() == 1.0
+
+
+def test_each_late_request_doubles_it_up_to_the_ceiling_and_an_answer_ends_the_backoff():
+    clock = AnswerClock(30.0, 120.0)
+    clock.late()
+    assert clock.timeout() == 60.0
+    clock.late()
+    clock.late()
+    assert clock.timeout() == 120.0  # a trainer that never answers costs a request at most this
+    clock.answered(20.0)  # it was slow, not gone
+    assert clock.timeout() == pytest.approx(20.0 + 4 * 10.0)
+    assert WORK_TIMEOUT_MOST >= WORK_TIMEOUT
+
+
+def test_a_chunk_replys_deadline_is_never_shorter_than_answers_take_here_up_to_a_cap():
+    s = policy.FetchSettings()
+    idle = policy.reply_deadline(False, 20_000, 0, 0.0, s)
+    assert idle == pytest.approx(3.0 + 20_000 / s.min_rate)  # an idle node's deadline is unchanged
+    assert policy.reply_deadline(False, 20_000, 0, 0.0, s, answers=0.2) == idle
+    assert policy.reply_deadline(False, 20_000, 0, 0.0, s, answers=25.0) == 25.0
+    assert policy.reply_deadline(True, 20_000, 0, 0.0, s, answers=25.0) == 25.0  # the origin's too
+    assert policy.reply_deadline(False, 20_000, 0, 0.0, s, answers=1e6) == policy.ANSWERS_MOST
+
+
+def lease_reply() -> dict[str, Any]:
+    sampling = SamplingParams(1.0, 1.0, 8)
+    return WorkLease("l", 0, 4, sampling, [TaskSpec("reverse", 1, [1])], 120.0, 4).to_wire()
+
+
+@pytest.mark.trio
+async def test_a_sampler_waits_longer_for_a_slow_trainer_instead_of_asking_again_at_the_same_deadline(tmp_path):
+    """Real hosts: the trainer's work handler answers in 0.8 s, the sampler's first deadline is 0.5 s. The first
+    request runs out of time (the trainer issued a lease for nothing), the second is given 1 s and gets its lease;
+    the clock then expects answers like that one."""
+    sampler_host, trainer_host = build_host(create_new_key_pair()), build_host(create_new_key_pair())
+    handled: list[float] = []
+
+    async def slow_lease(message: dict[str, Any], remote: Any) -> dict[str, Any]:
+        handled.append(trio.current_time())
+        await trio.sleep(0.8)
+        return lease_reply()
+
+    async with sampler_host.run([LISTEN]), trainer_host.run([LISTEN]):
+        trainer_host.set_stream_handler(
+            work.PROTOCOL_ID,
+            serve("work", slow_lease, max_request=work.MAX_REQUEST_FRAME, max_reply=work.MAX_FRAME),
+        )
+        await sampler_host.connect(PeerInfo(trainer_host.get_id(), trainer_host.get_addrs()))
+        cfg = node_config(tmp_path, "s", "sampler", trainer_id=trainer_host.get_id())
+        role = SamplerRole(cfg, settings(), lambda path, version: None)  # type: ignore[arg-type,return-value]
+        role.trainer = TrainerClient(sampler_host, cfg.rollout_timeout)
+        role.work_clock = AnswerClock(0.5, 4.0)
+        with trio.fail_after(20):
+            with pytest.raises(trio.TooSlowError):
+                await role.ask_for_work()
+            assert role.work_clock.timeout() == 1.0
+            lease = await role.ask_for_work()
+        assert lease.lease_id == "l" and len(handled) == 2
+        assert role.work_clock.timeout() == pytest.approx(0.8 * 3, rel=0.25)  # srtt + 4 rttvar of one answer
