@@ -475,18 +475,48 @@ def samplers_main(args: argparse.Namespace) -> None:
             entry[1] += 1
             entry[2] += info.get("collected", 0)
 
+        from node.roles.trainer_rpc import TrainerClient
+
+        lease, leases = TrainerClient.lease, Counter()
+
+        async def timing_lease(self: Any, *a: Any, **kw: Any) -> Any:  # each work request: how long, how it ended
+            t = time.monotonic()
+            outcome = "answered"
+            try:
+                return await lease(self, *a, **kw)
+            except BaseException as exc:
+                outcome = type(exc).__name__
+                raise
+            finally:
+                took = time.monotonic() - t
+                within = next((f"<{b}" for b in (1, 5, 15) if took < b), ">=15")
+                leases[f"{outcome} in {within} s"] += 1
+
+        TrainerClient.lease = timing_lease  # type: ignore[method-assign]
         NetStream.set_protocol, yamux.read_exactly = counting, reading  # type: ignore[method-assign]
         Network.add_conn, Network.remove_conn = adding, removing  # type: ignore[method-assign]
         trio.lowlevel.add_instrument(steps)
         gc.callbacks.append(gc_timer)
         t0 = time.thread_time()
-        await trio.sleep(seconds)
+        window_lag = LagProbe()  # the loop's lag over the whole window (the report's probe is emptied every 2 s)
+        with trio.move_on_after(seconds):
+            await window_lag.run()
         gc.callbacks.remove(gc_timer)
         trio.lowlevel.remove_instrument(steps)
+        TrainerClient.lease = lease  # type: ignore[method-assign]
         NetStream.set_protocol, yamux.read_exactly = set_protocol, read_exactly  # type: ignore[method-assign]
         Network.add_conn, Network.remove_conn = add_conn, remove_conn  # type: ignore[method-assign]
+        live: Counter = Counter()  # the tasks alive at the window's end, by name: what waits (a backlog shows here)
+        todo = [trio.lowlevel.current_root_task()]
+        while todo:
+            task = todo.pop()
+            live[task.name] += 1
+            todo.extend(child for nursery in task.child_nurseries for child in nursery.child_tasks)
+        lags = sorted(window_lag.samples)
         write_json(root / f"profile-{args.first}.json", {
             "seconds": seconds, "identities": len(names), "loop_cpu": time.thread_time() - t0,
+            "live_tasks": dict(live.most_common(12)), "tasks_alive": sum(live.values()),
+            "lag_p50": pct(lags, 0.5), "lag_p99": pct(lags, 0.99), "leases": dict(sorted(leases.items())),
             "tasks": steps.totals(), "streams": dict(streams.most_common()), "frames": dict(frames.most_common()),
             "connections": dict(conns), "gc": gc_time, "gc_objects": len(gc.get_objects()),
         })  # fmt: skip
@@ -502,7 +532,7 @@ def samplers_main(args: argparse.Namespace) -> None:
             nursery.start_soon(watch)
             nursery.start_soon(report)
             nursery.start_soon(dht_probe)
-            if args.profile and args.first == 0:
+            if args.profile:
                 nursery.start_soon(profile, *args.profile)
             for i, name in enumerate(names):
                 nursery.start_soon(one, name, i * args.stagger)
@@ -766,17 +796,18 @@ def one_n(n: int, args: argparse.Namespace, model: Path) -> dict[str, Any]:
     result["announce_50_s"], result["announce_99_s"] = summarize_spread(result["spread"], n, "heard")
     result["install_50_s"], result["install_99_s"] = summarize_spread(result["spread"], n, "installed_or_later")
     print(report_line(result), flush=True)
-    prof = root / "profile-0.json"
-    if prof.exists():
-        print(profile_lines(json.loads(prof.read_text())), flush=True)
+    for prof in sorted(root.glob("profile-*.json"), key=lambda f: int(f.stem.split("-")[1])):
+        print(profile_lines(json.loads(prof.read_text()), name=prof.stem), flush=True)
     return result
 
 
-def profile_lines(p: dict[str, Any], top: int = 15) -> str:
+def profile_lines(p: dict[str, Any], top: int = 15, name: str = "profile-0") -> str:
     """The --profile summary: the loop's CPU per host, by task and streams negotiated per host (one process)."""
     n, secs = p["identities"], p["seconds"]
-    lines = [f"profile of sampler process 0 ({n} hosts, {secs:.0f} s): loop {p['loop_cpu'] / secs:.2f} cores, "
-             f"{p['loop_cpu'] / secs / n * 1e3:.1f} ms/s per host"]  # fmt: skip
+    lines = [f"{name}, sampler process of {n} hosts, {secs:.0f} s: loop {p['loop_cpu'] / secs:.2f} cores, "
+             f"{p['loop_cpu'] / secs / n * 1e3:.1f} ms/s per host, loop lag p50/p99 "
+             f"{p.get('lag_p50', float('nan')):.2f}/{p.get('lag_p99', float('nan')):.2f} s, "
+             f"{p.get('tasks_alive', 0)} tasks alive"]  # fmt: skip
     for name, (cpu, steps) in list(p["tasks"].items())[:top]:
         lines.append(f"  {cpu / secs / n * 1e3:6.2f} ms/s per host {steps / secs / n:7.1f} steps/s  {name}")
     for proto, count in p["streams"].items():
@@ -785,6 +816,10 @@ def profile_lines(p: dict[str, Any], top: int = 15) -> str:
         lines.append(f"  {count / secs / n:6.2f} yamux frames read/s per host  {kind}")
     for what, count in p.get("connections", {}).items():
         lines.append(f"  {count / secs / n:6.3f} connections {what}/s per host")
+    if p.get("leases"):
+        lines.append("  work requests: " + ", ".join(f"{k} {v}" for k, v in p["leases"].items()))
+    for task, count in p.get("live_tasks", {}).items():
+        lines.append(f"  {count / n:7.1f} tasks alive per host  {task}")
     for gen, (cpu, runs, _) in sorted(p.get("gc", {}).items()):
         lines.append(f"  {cpu / secs / n * 1e3:6.2f} ms/s per host in {runs / secs:.2f} {gen} collections/s "
                      f"(the process holds {p.get('gc_objects', 0):,} objects)")  # fmt: skip
