@@ -419,22 +419,22 @@ async def open_stream(host: IHost, peer_id: ID, protocol: str) -> INetStream:
 class AnswerClock:
     """How long answers to this node's requests take, and so how long the next one may: TCP's retransmission timer
     (RFC 6298). ``timeout`` is SRTT + 4 RTTVAR over the answers timed (``answered``), within [``floor``,
-    ``ceiling``], doubled for each request in a row that got no answer within it (``late``; Karn's backoff) and
-    back once one is answered. A fixed deadline tuned on an idle machine abandons every answer of a loaded one and
-    asks again, adding the load that made it slow: at N = 128 on one box (bench/swarm_scale) work requests took
-    15-40 s against a fixed 30 s, 109 of 128 samplers' last error was that timeout, the trainer issued a lease for
-    every retry, and a 20 KB version's chunk requests timed out at 3 s, over and over, while the loops lagged ~1 s.
-    A peer that never answers still costs at most ``ceiling`` a request."""
+    ``ceiling``]; after a request ran out at W seconds (``late``) the next waits at least 2W (Karn's backoff), until
+    one is answered. A fixed deadline tuned on an idle machine abandons every answer of a loaded one and asks
+    again, adding the load that made it slow: at N = 128 on one box (bench/swarm_scale) work requests took 15-40 s
+    against a fixed 30 s, 109 of 128 samplers' last error was that timeout, and the trainer issued a lease for every
+    retry. A trusted peer that never answers still costs at most ``ceiling`` a request. (Chunk replies, from peers
+    that may be hostile, follow node/weights/policy.py ``OwnDelay`` instead: the quickest replies, not the mean.)"""
 
     def __init__(self, floor: float, ceiling: float) -> None:
         self.floor, self.ceiling = floor, ceiling
         self.srtt: float | None = None
         self.rttvar = 0.0
-        self.late_in_a_row = 0
+        self.backoff = 0.0  # after requests that ran out: at least this long (0: none since the last answer)
 
     def timeout(self) -> float:
         base = self.floor if self.srtt is None else max(self.floor, self.srtt + 4 * self.rttvar)
-        return min(self.ceiling, base * 2 ** min(self.late_in_a_row, 16))
+        return min(self.ceiling, max(base, self.backoff))
 
     def answered(self, seconds: float) -> None:
         if self.srtt is None:
@@ -442,10 +442,11 @@ class AnswerClock:
         else:
             self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - seconds)
             self.srtt = 0.875 * self.srtt + 0.125 * seconds
-        self.late_in_a_row = 0
+        self.backoff = 0.0
 
-    def late(self) -> None:
-        self.late_in_a_row += 1
+    def late(self, waited: float) -> None:
+        """A request got no answer in ``waited`` seconds."""
+        self.backoff = min(self.ceiling, 2 * max(self.backoff, waited))
 
 
 async def request(

@@ -1,6 +1,7 @@
-"""Deadlines that follow how long answers take here (node/rpc.py ``AnswerClock``, issue 29): a loaded node's requests
-are slow, not lost. With fixed deadlines, N = 128 samplers on one box gave up on work requests answered in 15-40 s
-(30 s) and on chunk replies of a 20 KB version (3 s), asked again, and collapsed (bench/swarm_scale)."""
+"""Deadlines that follow how long answers take here (node/rpc.py ``AnswerClock``, node/weights/policy.py
+``OwnDelay``; issue 29): a loaded node's requests are slow, not lost. With fixed deadlines, N = 128 samplers on one
+box gave up on work requests answered in 15-40 s (30 s) and on chunk replies of a 20 KB version (3 s), asked again,
+and collapsed (bench/swarm_scale)."""
 
 from __future__ import annotations
 
@@ -42,17 +43,17 @@ def test_the_timeout_follows_answers_srtt_plus_four_rttvar():
 
 def test_each_late_request_doubles_it_up_to_the_ceiling_and_an_answer_ends_the_backoff():
     clock = AnswerClock(30.0, 120.0)
-    clock.late()
+    clock.late(30.0)
     assert clock.timeout() == 60.0
-    clock.late()
-    clock.late()
+    clock.late(60.0)
+    clock.late(120.0)
     assert clock.timeout() == 120.0  # a trainer that never answers costs a request at most this
     clock.answered(20.0)  # it was slow, not gone
     assert clock.timeout() == pytest.approx(20.0 + 4 * 10.0)
     assert WORK_TIMEOUT_MOST >= WORK_TIMEOUT
 
 
-def test_a_chunk_replys_deadline_is_never_shorter_than_answers_take_here_up_to_a_cap():
+def test_a_chunk_replys_deadline_is_never_shorter_than_the_nodes_own_delay_up_to_a_cap():
     s = policy.FetchSettings()
     idle = policy.reply_deadline(False, 20_000, 0, 0.0, s)
     assert idle == pytest.approx(3.0 + 20_000 / s.min_rate)  # an idle node's deadline is unchanged
@@ -60,6 +61,34 @@ def test_a_chunk_replys_deadline_is_never_shorter_than_answers_take_here_up_to_a
     assert policy.reply_deadline(False, 20_000, 0, 0.0, s, answers=25.0) == 25.0
     assert policy.reply_deadline(True, 20_000, 0, 0.0, s, answers=25.0) == 25.0  # the origin's too
     assert policy.reply_deadline(False, 20_000, 0, 0.0, s, answers=1e6) == policy.ANSWERS_MOST
+
+
+def test_own_delay_is_the_quickest_reply_so_a_slow_peer_cannot_raise_it_while_others_answer_fast():
+    own = policy.OwnDelay()
+    assert own.seconds() == 0.0  # nothing known: reply_deadline as before
+    for _ in range(8):
+        own.answered(0.02)  # honest peers, an idle node
+        own.answered(15.0)  # a peer serving at a crawl
+    assert own.seconds() == pytest.approx(4 * 0.02)  # it is still held to its size-scaled deadline
+    for _ in range(policy.OWN_DELAY_KEEP):
+        own.answered(6.0)  # every reply slow: the node itself is the cause
+    assert own.seconds() == pytest.approx(24.0)
+
+
+def test_a_node_never_answered_in_time_learns_its_delay_by_backing_off():
+    """A newcomer on a loaded machine: its first chunk requests (3.1 s deadlines) all ran out, so no reply was ever
+    timed, and with an answers-only rule it would have asked at 3.1 s forever (N = 256: 114 of 256 never held a
+    version)."""
+    own = policy.OwnDelay()
+    own.late(3.1)
+    assert own.seconds() == pytest.approx(6.2)
+    own.late(6.2)
+    assert own.seconds() == pytest.approx(12.4)
+    for _ in range(4):
+        own.late(own.seconds())
+    assert own.seconds() == policy.ANSWERS_MOST
+    own.answered(10.0)  # answered at last: its delay is what replies take, the backoff ends
+    assert own.seconds() == pytest.approx(40.0)
 
 
 def lease_reply() -> dict[str, Any]:

@@ -208,11 +208,11 @@ class SamplerRole:
         request that runs out of time is waited for longer the next time, not given up on at the same deadline while
         the trainer issues a lease for each (a closed connection or a refusal still ends it at once)."""
         ask = groups_to_ask(self.group_seconds, self.lease_seconds, self.settings.groups_per_request)
-        request, asked = WorkRequest(ask, self.report()), trio.current_time()
+        request, asked, timeout = WorkRequest(ask, self.report()), trio.current_time(), self.work_clock.timeout()
         try:
-            lease = await self.trainer.lease(self.trainer_id, request, self.work_clock.timeout())
+            lease = await self.trainer.lease(self.trainer_id, request, timeout)
         except trio.TooSlowError:
-            self.work_clock.late()
+            self.work_clock.late(timeout)
             raise
         except RemoteError:
             self.work_clock.answered(trio.current_time() - asked)

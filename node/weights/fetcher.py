@@ -46,7 +46,7 @@ import trio
 from libp2p.abc import IHost
 from libp2p.peer.id import ID
 
-from node.rpc import AnswerClock, backpressure
+from node.rpc import backpressure
 from node.strikes import Strikes
 from node.weights import policy
 from node.weights.manifest import chunk_sizes
@@ -85,7 +85,7 @@ class Conduct:
         self.standing: dict[str, policy.Standing] = {}
         self.benches = 0  # benches handed out, all peers together
         self.unanswered: dict[str, int] = {}  # requests that brought nothing, per peer (bounded like ``standing``)
-        self.answers = AnswerClock(0.0, policy.ANSWERS_MOST)  # how long chunk replies take here, any peer
+        self.own_delay = policy.OwnDelay()  # how long this node itself makes a chunk reply take
 
     def get(self, peer: ID) -> policy.Standing:
         return self.standing.get(str(peer), policy.Standing())
@@ -385,18 +385,18 @@ class Download:
         """One request; ``outcome`` gets whether it brought a chunk (nothing for backpressure or a cancel)."""
         hashes = [self.layout.chunks[i] for i in batch]
         size, queued = self.layout.bytes_of(batch), self.bytes_in_flight()
-        answers = self.conduct.answers
+        own = self.conduct.own_delay
         deadline = policy.reply_deadline(
-            peer == self.origin, size, queued, self.downlink.rate(), self.settings, answers.timeout()
+            peer == self.origin, size, queued, self.downlink.rate(), self.settings, own.seconds()
         )
         asked = trio.current_time()
         try:
             found, bits = await self.client.chunks(
                 peer, hashes, self.mid, self.manifest.chunk_size, len(self.layout.chunks), deadline
             )
-            answers.answered(trio.current_time() - asked)  # only answers: one silent peer must not stretch them all
+            own.answered(trio.current_time() - asked)
         except RemoteError as exc:
-            answers.answered(trio.current_time() - asked)
+            own.answered(trio.current_time() - asked)
             pause = backpressure(exc)
             if pause is not None:  # its upload limit: ask again later, no blame
                 self.resting[peer] = trio.current_time() + pause
@@ -405,6 +405,7 @@ class Download:
             self._failed(peer, batch, f"{exc}")
             return False
         except trio.TooSlowError:
+            own.late(deadline)  # a node never answered in time must still learn its delay (a newcomer)
             outcome.append(False)
             key = str(peer)
             self.stats.slow[key] = self.stats.slow.get(key, 0) + 1

@@ -63,6 +63,7 @@ up to ``BUILD_RETRIES`` times, then only after the poll interval.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
@@ -290,7 +291,33 @@ def fit(batch: Sequence[int], sizes: Sequence[int], room: int) -> list[int]:
     return out
 
 
-ANSWERS_MOST = 60.0  # seconds: the most a reply's deadline stretches to how long answers take here (AnswerClock)
+ANSWERS_MOST = 60.0  # seconds: the most a reply's deadline stretches to how long answers take here (OwnDelay)
+OWN_DELAY_KEEP = 16  # recent chunk replies whose quickest sets this node's own delay
+OWN_DELAY_FACTOR = 4.0  # a reply may take this many times the quickest recent one, whoever sends it
+
+
+class OwnDelay:
+    """How long this node itself makes a chunk reply take: ``OWN_DELAY_FACTOR`` x the quickest of its last
+    ``OWN_DELAY_KEEP`` replies, from any peer (every reply waits on this node's own loop; on a loaded machine that
+    is seconds, and not the peer's fault), or, after requests that ran out at W seconds with no reply since, at
+    least 2W (Karn's backoff: how a newcomer that has never been answered in time learns it), up to
+    ``ANSWERS_MOST``. The quickest, not the mean: a slow peer cannot raise it while one other answers fast, so
+    ``reply_deadline`` still catches it; only when every reply is slow is the node the cause."""
+
+    def __init__(self) -> None:
+        self.recent: deque[float] = deque(maxlen=OWN_DELAY_KEEP)
+        self.backoff = 0.0
+
+    def answered(self, seconds: float) -> None:
+        self.recent.append(seconds)
+        self.backoff = 0.0
+
+    def late(self, waited: float) -> None:
+        self.backoff = min(ANSWERS_MOST, 2 * max(self.backoff, waited))
+
+    def seconds(self) -> float:
+        quickest = OWN_DELAY_FACTOR * min(self.recent) if self.recent else 0.0
+        return min(ANSWERS_MOST, max(quickest, self.backoff))
 
 
 def reply_deadline(
@@ -299,10 +326,9 @@ def reply_deadline(
     """Seconds a reply of ``size`` bytes may take. The origin is trusted and shared by everyone: only the request
     timeout applies. A peer must send at ``min_rate``, and its reply may queue on our own downlink behind the
     ``in_flight`` bytes requested before it (at the rate chunks have been arriving). Never less than ``answers``
-    (up to ``ANSWERS_MOST``): how long this node's chunk requests have been taking to be answered (node/rpc.py
-    ``AnswerClock``), which on a loaded machine is its own loop's lag and not the peer's fault: at 3 s for a 20 KB
-    chunk, a loaded node (bench/swarm_scale, N = 128) gave up on every reply, benched the peers that sent them, and
-    never finished a version."""
+    (up to ``ANSWERS_MOST``): this node's own share of a reply's time (``OwnDelay``), which on a loaded machine is
+    its own loop's lag: at 3 s for a 20 KB chunk, a loaded node (bench/swarm_scale, N = 128) gave up on every
+    reply, benched the peers that sent them, and never finished a version."""
     if from_origin:
         own = settings.request_timeout
     else:

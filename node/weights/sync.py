@@ -678,7 +678,7 @@ class WeightSync:
         log.info("version %d is %.0f%% here: finishing it first", version, 100 * download.fraction_done())
         while True:
             left = len(download.missing)
-            await trio.sleep(max(self.settings.stall_timeout, min(policy.ANSWERS_MOST, self.conduct.answers.timeout())))
+            await trio.sleep(max(self.settings.stall_timeout, self.conduct.own_delay.seconds()))
             if len(download.missing) == left:
                 log.warning("version %d stalled with %d chunks to go; moving on to the newest", version, left)
                 scope.cancel()
