@@ -126,3 +126,34 @@ async def test_a_sampler_waits_longer_for_a_slow_trainer_instead_of_asking_again
             lease = await role.ask_for_work()
         assert lease.lease_id == "l" and len(handled) == 2
         assert role.work_clock.timeout() == pytest.approx(0.8 * 3, rel=0.25)  # srtt + 4 rttvar of one answer
+
+
+@pytest.mark.trio
+async def test_a_loaded_newcomer_gets_its_chain_manifest_once_its_deadline_has_backed_off_to_the_answer_time():
+    """A chain link's manifest was asked for with a fixed 5 s: on a loaded newcomer (replies in ~8 s here) every
+    request ran out, and "no route ... asking again" repeated for good (N = 256: 103 times; 114-130 of 256 samplers
+    never installed a version). The request's deadline now backs off from the node's own delay."""
+    from types import SimpleNamespace
+
+    from node.weights.sync import WeightSync
+
+    asked: list[float] = []
+
+    async def manifest(peer: Any, mid: Any, timeout: float, *rest: Any) -> str:
+        asked.append(timeout)
+        if timeout < 8.0:  # this loaded node's replies come in 8 s
+            raise trio.TooSlowError
+        return "signed"
+
+    node = SimpleNamespace(
+        conduct=SimpleNamespace(own_delay=policy.OwnDelay()),
+        client=SimpleNamespace(manifest=manifest),
+        _verify_once=lambda signed: (b"m", signed, "manifest"),
+    )
+    for _ in range(3):
+        try:
+            got = await WeightSync._request_manifest(node, "trainer", b"m", 5.0)  # type: ignore[arg-type]
+            break
+        except trio.TooSlowError:
+            continue
+    assert got == ("signed", "manifest") and asked == [5.0, 10.0]

@@ -297,10 +297,10 @@ OWN_DELAY_FACTOR = 4.0  # a reply may take this many times the quickest recent o
 
 
 class OwnDelay:
-    """How long this node itself makes a chunk reply take: ``OWN_DELAY_FACTOR`` x the quickest of its last
-    ``OWN_DELAY_KEEP`` replies, from any peer (every reply waits on this node's own loop; on a loaded machine that
-    is seconds, and not the peer's fault), or, after requests that ran out at W seconds with no reply since, at
-    least 2W (Karn's backoff: how a newcomer that has never been answered in time learns it), up to
+    """How long this node itself makes a weights reply (chunks, manifests) take: ``OWN_DELAY_FACTOR`` x the
+    quickest of its last ``OWN_DELAY_KEEP`` replies, from any peer (every reply waits on this node's own loop; on a
+    loaded machine that is seconds, and not the peer's fault), or, after requests that ran out at W seconds with no
+    reply since, at least 2W (Karn's backoff: how a newcomer that has never been answered in time learns it), up to
     ``ANSWERS_MOST``. The quickest, not the mean: a slow peer cannot raise it while one other answers fast, so
     ``reply_deadline`` still catches it; only when every reply is slow is the node the cause."""
 
