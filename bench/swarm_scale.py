@@ -797,14 +797,14 @@ def one_n(n: int, args: argparse.Namespace, model: Path) -> dict[str, Any]:
     result["install_50_s"], result["install_99_s"] = summarize_spread(result["spread"], n, "installed_or_later")
     print(report_line(result), flush=True)
     for prof in sorted(root.glob("profile-*.json"), key=lambda f: int(f.stem.split("-")[1])):
-        print(profile_lines(json.loads(prof.read_text()), name=prof.stem), flush=True)
+        print(profile_lines(json.loads(prof.read_text()), title=prof.stem), flush=True)
     return result
 
 
-def profile_lines(p: dict[str, Any], top: int = 15, name: str = "profile-0") -> str:
+def profile_lines(p: dict[str, Any], top: int = 15, title: str = "profile-0") -> str:
     """The --profile summary: the loop's CPU per host, by task and streams negotiated per host (one process)."""
     n, secs = p["identities"], p["seconds"]
-    lines = [f"{name}, sampler process of {n} hosts, {secs:.0f} s: loop {p['loop_cpu'] / secs:.2f} cores, "
+    lines = [f"{title}, sampler process of {n} hosts, {secs:.0f} s: loop {p['loop_cpu'] / secs:.2f} cores, "
              f"{p['loop_cpu'] / secs / n * 1e3:.1f} ms/s per host, loop lag p50/p99 "
              f"{p.get('lag_p50', float('nan')):.2f}/{p.get('lag_p99', float('nan')):.2f} s, "
              f"{p.get('tasks_alive', 0)} tasks alive"]  # fmt: skip

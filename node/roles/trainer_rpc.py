@@ -64,7 +64,7 @@ class TrainerClient:
         self.host = host
         self.rollout_timeout = rollout_timeout
 
-    async def lease(self, trainer: ID, req: WorkRequest, timeout: float = 30.0) -> WorkLease:
+    async def lease(self, trainer: ID, req: WorkRequest, timeout: float) -> WorkLease:
         reply = await request(
             self.host,
             trainer,
