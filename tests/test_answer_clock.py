@@ -98,15 +98,15 @@ def lease_reply() -> dict[str, Any]:
 
 @pytest.mark.trio
 async def test_a_sampler_waits_longer_for_a_slow_trainer_instead_of_asking_again_at_the_same_deadline(tmp_path):
-    """Real hosts: the trainer's work handler answers in 0.8 s, the sampler's first deadline is 0.5 s. The first
-    request runs out of time (the trainer issued a lease for nothing), the second is given 1 s and gets its lease;
+    """Real hosts: the trainer's work handler answers in 1.3 s, the sampler's first deadline is 1 s. The first
+    request runs out of time (the trainer issued a lease for nothing), the second is given 2 s and gets its lease;
     the clock then expects answers like that one."""
     sampler_host, trainer_host = build_host(create_new_key_pair()), build_host(create_new_key_pair())
     handled: list[float] = []
 
     async def slow_lease(message: dict[str, Any], remote: Any) -> dict[str, Any]:
         handled.append(trio.current_time())
-        await trio.sleep(0.8)
+        await trio.sleep(1.3)
         return lease_reply()
 
     async with sampler_host.run([LISTEN]), trainer_host.run([LISTEN]):
@@ -118,14 +118,14 @@ async def test_a_sampler_waits_longer_for_a_slow_trainer_instead_of_asking_again
         cfg = node_config(tmp_path, "s", "sampler", trainer_id=trainer_host.get_id())
         role = SamplerRole(cfg, settings(), lambda path, version: None)  # type: ignore[arg-type,return-value]
         role.trainer = TrainerClient(sampler_host, cfg.rollout_timeout)
-        role.work_clock = AnswerClock(0.5, 4.0)
+        role.work_clock = AnswerClock(1.0, 8.0)
         with trio.fail_after(20):
             with pytest.raises(trio.TooSlowError):
                 await role.ask_for_work()
-            assert role.work_clock.timeout() == 1.0
+            assert role.work_clock.timeout() == 2.0
             lease = await role.ask_for_work()
         assert lease.lease_id == "l" and len(handled) == 2
-        assert role.work_clock.timeout() == pytest.approx(0.8 * 3, rel=0.25)  # srtt + 4 rttvar of one answer
+        assert role.work_clock.timeout() == pytest.approx(1.3 * 3, rel=0.25)  # srtt + 4 rttvar of one answer
 
 
 @pytest.mark.trio
