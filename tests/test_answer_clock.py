@@ -157,3 +157,46 @@ async def test_a_loaded_newcomer_gets_its_chain_manifest_once_its_deadline_has_b
         except trio.TooSlowError:
             continue
     assert got == ("signed", "manifest") and asked == [5.0, 10.0]
+
+
+@pytest.mark.trio
+async def test_a_loaded_node_learns_what_the_origin_holds_once_its_poll_deadline_has_backed_off(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    """Real hosts: the origin answers have-polls in 0.8 s and the poll's floor is 0.5 s. A download learns which
+    chunks a peer holds only from a poll (or a chunk reply), so with a fixed deadline it never asks for a chunk: at
+    5 s, 62 of 256 newcomers on one box held nothing of a version after 10 minutes. The first poll runs out, the
+    second is given 1 s, and the version arrives whole."""
+    import shutil
+
+    from node.strikes import Strikes
+    from node.weights.fetcher import Download
+    from node.weights.publish import Publisher
+    from node.weights.server import WeightServer
+    from node.weights.store import ChunkStore
+
+    monkeypatch.setattr(policy, "HAVE_TIMEOUT", 0.5)
+    polls: list[float] = []
+
+    class SlowPolls(WeightServer):
+        async def handle(self, message: dict[str, Any], remote: Any) -> dict[str, Any]:
+            if message.get("t") == "get_have":
+                polls.append(trio.current_time())
+                await trio.sleep(0.8)
+            return await super().handle(message, remote)
+
+    origin_store = ChunkStore(tmp_path / "origin")
+    publisher = Publisher(origin_store, create_new_key_pair(), "t", chunk_size=64 << 10)
+    shutil.copytree(tiny_model_dir, publisher.staging_dir(0))
+    mid, signed, manifest = publisher.publish(publisher.staging_dir(0), 0)
+    mine = ChunkStore(tmp_path / "me")
+    mine.add_manifest(signed, manifest)
+    origin_host, my_host = build_host(create_new_key_pair()), build_host(create_new_key_pair())
+    async with origin_host.run([LISTEN]), my_host.run([LISTEN]):
+        SlowPolls(origin_store, origin=True).register(origin_host)
+        await my_host.connect(PeerInfo(origin_host.get_id(), origin_host.get_addrs()))
+        download = Download(my_host, mine, manifest, mid, origin_host.get_id(), lambda: [], Strikes(2))
+        with trio.fail_after(20):
+            await download.run()
+    assert not mine.missing(manifest) and len(polls) == 2  # one ran out at 0.5 s, the next was answered
+    assert polls[1] - polls[0] >= 0.5

@@ -291,6 +291,7 @@ def fit(batch: Sequence[int], sizes: Sequence[int], room: int) -> list[int]:
     return out
 
 
+HAVE_TIMEOUT = 5.0  # seconds a have-poll may take on an idle node (OwnDelay raises it on a loaded one)
 ANSWERS_MOST = 60.0  # seconds: the most a reply's deadline stretches to how long answers take here (OwnDelay)
 OWN_DELAY_KEEP = 16  # recent chunk replies whose quickest sets this node's own delay
 OWN_DELAY_FACTOR = 4.0  # a reply may take this many times the quickest recent one, whoever sends it

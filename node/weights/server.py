@@ -278,7 +278,7 @@ class WeightsClient:
             return None
         return w.SignedManifest.from_wire(reply)
 
-    async def have(self, peer: ID, mid: bytes, n_chunks: int, timeout: float = 5.0) -> bytes:
+    async def have(self, peer: ID, mid: bytes, n_chunks: int, timeout: float) -> bytes:
         """Which of version ``mid``'s ``n_chunks`` chunks the peer holds, as a bitfield."""
         reply = await self._ask(peer, w.get_have(mid), w.MAX_REPLY_FRAME, timeout)
         return w.parse_have(reply, n_chunks)[1]
