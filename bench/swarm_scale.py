@@ -431,12 +431,14 @@ def samplers_main(args: argparse.Namespace) -> None:
 
         from libp2p.network.stream.net_stream import NetStream
         from libp2p.network.swarm import Swarm as Network
+        from libp2p.protocol_muxer.multiselect import Multiselect
         from libp2p.stream_muxer.yamux import yamux
 
         await trio.sleep(start)
         steps, streams, frames, conns = TaskSteps(), Counter(), Counter(), Counter()
         set_protocol, read_exactly, add_conn, remove_conn = (
             NetStream.set_protocol, yamux.read_exactly, Network.add_conn, Network.remove_conn)  # fmt: skip
+        negotiate, inbound = Multiselect.negotiate, Counter()
         kinds = {yamux.TYPE_DATA: "data", yamux.TYPE_WINDOW_UPDATE: "window", yamux.TYPE_PING: "ping",
                  yamux.TYPE_GO_AWAY: "go-away"}  # fmt: skip
         flags = ((yamux.FLAG_SYN, "SYN"), (yamux.FLAG_ACK, "ACK"), (yamux.FLAG_FIN, "FIN"), (yamux.FLAG_RST, "RST"))
@@ -444,6 +446,27 @@ def samplers_main(args: argparse.Namespace) -> None:
         def counting(self: Any, protocol_id: Any) -> None:  # every stream negotiated, either side, by protocol
             streams[str(protocol_id)] += 1
             set_protocol(self, protocol_id)
+
+        async def negotiating(self: Any, communicator: Any, *a: Any, **kw: Any) -> Any:
+            """Each inbound stream's negotiation, by what it ended with: its task is renamed after the protocol, so
+            the handler's CPU shows by protocol (a stream refused shows the last protocol it asked for)."""
+            read, asked = communicator.read, []
+
+            async def recording() -> Any:
+                command = await read()
+                asked.append(command)
+                return command
+
+            communicator.read = recording
+            task = trio.lowlevel.current_task()
+            try:
+                protocol, handler = await negotiate(self, communicator, *a, **kw)
+            except BaseException as exc:
+                inbound[f"{type(exc).__name__} after {asked[-1] if asked else 'nothing'}"] += 1
+                raise
+            inbound[str(protocol)] += 1
+            task.name = f"inbound {protocol}"
+            return protocol, handler
 
         async def reading(conn: Any, n: int) -> bytes:  # every yamux frame header read, by type and flags
             data = await read_exactly(conn, n)
@@ -494,6 +517,7 @@ def samplers_main(args: argparse.Namespace) -> None:
 
         TrainerClient.lease = timing_lease  # type: ignore[method-assign]
         NetStream.set_protocol, yamux.read_exactly = counting, reading  # type: ignore[method-assign]
+        Multiselect.negotiate = negotiating  # type: ignore[method-assign]
         Network.add_conn, Network.remove_conn = adding, removing  # type: ignore[method-assign]
         trio.lowlevel.add_instrument(steps)
         gc.callbacks.append(gc_timer)
@@ -505,6 +529,7 @@ def samplers_main(args: argparse.Namespace) -> None:
         trio.lowlevel.remove_instrument(steps)
         TrainerClient.lease = lease  # type: ignore[method-assign]
         NetStream.set_protocol, yamux.read_exactly = set_protocol, read_exactly  # type: ignore[method-assign]
+        Multiselect.negotiate = negotiate  # type: ignore[method-assign]
         Network.add_conn, Network.remove_conn = add_conn, remove_conn  # type: ignore[method-assign]
         live: Counter = Counter()  # the tasks alive at the window's end, by name: what waits (a backlog shows here)
         todo = [trio.lowlevel.current_root_task()]
@@ -517,7 +542,8 @@ def samplers_main(args: argparse.Namespace) -> None:
             "seconds": seconds, "identities": len(names), "loop_cpu": time.thread_time() - t0,
             "live_tasks": dict(live.most_common(12)), "tasks_alive": sum(live.values()),
             "lag_p50": pct(lags, 0.5), "lag_p99": pct(lags, 0.99), "leases": dict(sorted(leases.items())),
-            "tasks": steps.totals(), "streams": dict(streams.most_common()), "frames": dict(frames.most_common()),
+            "tasks": steps.totals(), "streams": dict(streams.most_common()), "inbound": dict(inbound.most_common()),
+            "frames": dict(frames.most_common()),
             "connections": dict(conns), "gc": gc_time, "gc_objects": len(gc.get_objects()),
         })  # fmt: skip
 
@@ -812,6 +838,8 @@ def profile_lines(p: dict[str, Any], top: int = 15, title: str = "profile-0") ->
         lines.append(f"  {cpu / secs / n * 1e3:6.2f} ms/s per host {steps / secs / n:7.1f} steps/s  {name}")
     for proto, count in p["streams"].items():
         lines.append(f"  {count / secs / n:6.3f} streams/s per host  {proto}")
+    for outcome, count in p.get("inbound", {}).items():
+        lines.append(f"  {count / secs / n:6.3f} inbound streams/s per host  {outcome}")
     for kind, count in p.get("frames", {}).items():
         lines.append(f"  {count / secs / n:6.2f} yamux frames read/s per host  {kind}")
     for what, count in p.get("connections", {}).items():
