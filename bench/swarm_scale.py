@@ -429,6 +429,7 @@ def samplers_main(args: argparse.Namespace) -> None:
         so the engine's thread is not counted and nothing is sampled (cProfile distorted this code ~30x here)."""
         import struct
 
+        from libp2p.host.basic_host import BasicHost
         from libp2p.network.stream.net_stream import NetStream
         from libp2p.network.swarm import Swarm as Network
         from libp2p.protocol_muxer.multiselect import Multiselect
@@ -439,6 +440,7 @@ def samplers_main(args: argparse.Namespace) -> None:
         set_protocol, read_exactly, add_conn, remove_conn = (
             NetStream.set_protocol, yamux.read_exactly, Network.add_conn, Network.remove_conn)  # fmt: skip
         negotiate, inbound = Multiselect.negotiate, Counter()
+        new_stream, outbound = BasicHost.new_stream, Counter()
         kinds = {yamux.TYPE_DATA: "data", yamux.TYPE_WINDOW_UPDATE: "window", yamux.TYPE_PING: "ping",
                  yamux.TYPE_GO_AWAY: "go-away"}  # fmt: skip
         flags = ((yamux.FLAG_SYN, "SYN"), (yamux.FLAG_ACK, "ACK"), (yamux.FLAG_FIN, "FIN"), (yamux.FLAG_RST, "RST"))
@@ -478,6 +480,18 @@ def samplers_main(args: argparse.Namespace) -> None:
                 ] += 1
             return data
 
+        async def opening(self: Any, peer: Any, protocols: Any, *a: Any, **kw: Any) -> Any:
+            """Each stream py-libp2p's own negotiation opens (the DHT, gossip, identify; not node/rpc.py's lazy
+            ones), by its first protocol and how the opening ended."""
+            outcome = "opened"
+            try:
+                return await new_stream(self, peer, protocols, *a, **kw)
+            except BaseException as exc:
+                outcome = type(exc).__name__
+                raise
+            finally:
+                outbound[f"{outcome} {protocols[0] if protocols else '?'}"] += 1
+
         async def adding(self: Any, *args: Any, **kwargs: Any) -> Any:
             conns["opened"] += 1
             return await add_conn(self, *args, **kwargs)
@@ -515,9 +529,37 @@ def samplers_main(args: argparse.Namespace) -> None:
                 within = next((f"<{b}" for b in (1, 5, 15) if took < b), ">=15")
                 leases[f"{outcome} in {within} s"] += 1
 
+        import node.discovery as discovery
+        from node.host import Swarm as NodeSwarm
+
+        connect, find_role, looks = NodeSwarm.connect, discovery.find_role, Counter()
+
+        def within(took: float) -> str:
+            return next((f"<{b}" for b in (1, 5, 10, 30) if took < b), ">=30")
+
+        async def timing_connect(self: Any, *a: Any, **kw: Any) -> Any:  # each dial: how it ended, how long
+            t, outcome = time.monotonic(), "connected"
+            try:
+                return await connect(self, *a, **kw)
+            except BaseException as exc:
+                outcome = type(exc).__name__
+                raise
+            finally:
+                looks[f"dial {outcome} in {within(time.monotonic() - t)} s"] += 1
+
+        async def timing_find(swarm: Any, key: str, *a: Any, **kw: Any) -> Any:  # each role lookup: what it found
+            t, found = time.monotonic(), None
+            try:
+                found = await find_role(swarm, key, *a, **kw)
+                return found
+            finally:
+                what = "cancelled" if found is None else "found none" if not found else "found some"
+                looks[f"{key.rsplit('/', 1)[-1]} lookup {what} in {within(time.monotonic() - t)} s"] += 1
+
+        NodeSwarm.connect, discovery.find_role = timing_connect, timing_find  # type: ignore[method-assign]
         TrainerClient.lease = timing_lease  # type: ignore[method-assign]
         NetStream.set_protocol, yamux.read_exactly = counting, reading  # type: ignore[method-assign]
-        Multiselect.negotiate = negotiating  # type: ignore[method-assign]
+        Multiselect.negotiate, BasicHost.new_stream = negotiating, opening  # type: ignore[method-assign]
         Network.add_conn, Network.remove_conn = adding, removing  # type: ignore[method-assign]
         trio.lowlevel.add_instrument(steps)
         gc.callbacks.append(gc_timer)
@@ -528,8 +570,9 @@ def samplers_main(args: argparse.Namespace) -> None:
         gc.callbacks.remove(gc_timer)
         trio.lowlevel.remove_instrument(steps)
         TrainerClient.lease = lease  # type: ignore[method-assign]
+        NodeSwarm.connect, discovery.find_role = connect, find_role  # type: ignore[method-assign]
         NetStream.set_protocol, yamux.read_exactly = set_protocol, read_exactly  # type: ignore[method-assign]
-        Multiselect.negotiate = negotiate  # type: ignore[method-assign]
+        Multiselect.negotiate, BasicHost.new_stream = negotiate, new_stream  # type: ignore[method-assign]
         Network.add_conn, Network.remove_conn = add_conn, remove_conn  # type: ignore[method-assign]
         live: Counter = Counter()  # the tasks alive at the window's end, by name: what waits (a backlog shows here)
         todo = [trio.lowlevel.current_root_task()]
@@ -542,7 +585,9 @@ def samplers_main(args: argparse.Namespace) -> None:
             "seconds": seconds, "identities": len(names), "loop_cpu": time.thread_time() - t0,
             "live_tasks": dict(live.most_common(12)), "tasks_alive": sum(live.values()),
             "lag_p50": pct(lags, 0.5), "lag_p99": pct(lags, 0.99), "leases": dict(sorted(leases.items())),
+            "looks": dict(sorted(looks.items())),
             "tasks": steps.totals(), "streams": dict(streams.most_common()), "inbound": dict(inbound.most_common()),
+            "outbound": dict(outbound.most_common()),
             "frames": dict(frames.most_common()),
             "connections": dict(conns), "gc": gc_time, "gc_objects": len(gc.get_objects()),
         })  # fmt: skip
@@ -840,10 +885,14 @@ def profile_lines(p: dict[str, Any], top: int = 15, title: str = "profile-0") ->
         lines.append(f"  {count / secs / n:6.3f} streams/s per host  {proto}")
     for outcome, count in p.get("inbound", {}).items():
         lines.append(f"  {count / secs / n:6.3f} inbound streams/s per host  {outcome}")
+    for outcome, count in p.get("outbound", {}).items():
+        lines.append(f"  {count / secs / n:6.3f} outbound streams/s per host  {outcome}")
     for kind, count in p.get("frames", {}).items():
         lines.append(f"  {count / secs / n:6.2f} yamux frames read/s per host  {kind}")
     for what, count in p.get("connections", {}).items():
         lines.append(f"  {count / secs / n:6.3f} connections {what}/s per host")
+    if p.get("looks"):
+        lines.append("  dials and role lookups: " + ", ".join(f"{k} {v}" for k, v in p["looks"].items()))
     if p.get("leases"):
         lines.append("  work requests: " + ", ".join(f"{k} {v}" for k, v in p["leases"].items()))
     for task, count in p.get("live_tasks", {}).items():
