@@ -8,10 +8,22 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 import trio
+import varint
 from libp2p.abc import IHost, INetStream
+from libp2p.exceptions import ParseError
+from libp2p.io.exceptions import IncompleteReadError, MessageTooLarge
+from libp2p.kad_dht.common import MAX_DHT_MESSAGE_SIZE, PROTOCOL_ID
 from libp2p.kad_dht.kad_dht import KadDHT, _encode_key
+from libp2p.kad_dht.pb.kademlia_pb2 import Message
+from libp2p.kad_dht.utils import maybe_consume_signed_record
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
+from libp2p.peer.peerstore import env_to_send_in_RPC
+from libp2p.utils.varint import read_varint_prefixed_bytes_limited
+from multiaddr import Multiaddr
+
+from node import rpc  # (a module, not its names: node.rpc imports this package first)
+from protocols.errors import PeerClosed, ProtocolError
 
 
 def inbound_stream_entry(host: IHost) -> Callable[[INetStream], Awaitable[None]]:
@@ -20,17 +32,81 @@ def inbound_stream_entry(host: IHost) -> Callable[[INetStream], Awaitable[None]]
     return host._swarm_stream_handler  # type: ignore[attr-defined]
 
 
+async def _kad_request(host: IHost, peer: ID, message: Message, answered: bool) -> Message | None:
+    """One DHT message to ``peer`` on a stream negotiated lazily (node/rpc.py ``open_stream``: the multistream
+    header, the protocol and the message leave together), and its answer when ``answered``. py-libp2p's
+    ``new_stream`` waits for each echo in turn: two round trips first, each costing the loop lag of both ends
+    several times over, and its own fixed 10 s for them. At 256 samplers on one box almost none of a loaded
+    newcomer's lookups got through that (bench/swarm_scale --profile: 0.4 DHT stream opens a second per host
+    cancelled, 0.002 opened), and upstream's provider request then answered "no providers", so its sampler
+    lookups found no one to dial for 20 minutes. Failures raise here (StreamFailure: the peer does not speak the
+    DHT; PeerClosed: it reset or ended the stream unanswered, or answered garbage)."""
+    body = message.SerializeToString()
+    stream = await rpc.open_stream(host, peer, PROTOCOL_ID)
+    try:
+        await stream.write(varint.encode(len(body)) + body)
+        if not answered:
+            return None
+        try:
+            data = await read_varint_prefixed_bytes_limited(stream, MAX_DHT_MESSAGE_SIZE)
+        except (ParseError, IncompleteReadError, MessageTooLarge, *rpc.PEER_GONE) as exc:
+            raise PeerClosed(f"{peer}: no DHT answer ({type(exc).__name__}: {exc})") from exc
+    finally:
+        with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+            try:
+                await stream.close()
+            except Exception:
+                pass
+    reply = Message()
+    reply.ParseFromString(data)
+    return reply
+
+
 async def providers_from_peer(dht: KadDHT, peer: ID, cid: str) -> list[PeerInfo]:
     """The providers of ``cid`` that ``peer`` knows, asked directly (patch ``dht-local-providers``:
-    ``find_providers`` answers from the local store alone once it holds any record)."""
-    providers, _ = await dht.provider_store._get_providers_from_peer_with_closers(peer, _encode_key(cid))
-    return list(providers)
+    ``find_providers`` answers from the local store alone once it holds any record), as upstream's
+    ``ProviderStore._get_providers_from_peer_with_closers`` asks and reads them, but on a lazily negotiated stream
+    and raising on a failure instead of answering "none" (``_kad_request``)."""
+    host = dht.host
+    message = Message(type=Message.MessageType.GET_PROVIDERS, key=_encode_key(cid))
+    message.senderRecord = env_to_send_in_RPC(host)[0]
+    reply = await _kad_request(host, peer, message, answered=True)
+    assert reply is not None
+    if reply.type != Message.MessageType.GET_PROVIDERS:
+        raise ProtocolError(f"{peer} answered a provider request with DHT message type {reply.type}")
+    if not maybe_consume_signed_record(reply, host, peer):
+        raise ProtocolError(f"{peer} answered with an invalid signed peer record")
+    found = []
+    for record in reply.providerPeers:
+        if not maybe_consume_signed_record(record, host):
+            continue  # upstream's rule: a provider whose signed record does not verify is skipped
+        addrs = []
+        for raw in record.addrs:
+            try:
+                addrs.append(Multiaddr(raw))
+            except Exception:
+                continue
+        try:
+            found.append(PeerInfo(ID(record.id), addrs))
+        except Exception:
+            continue
+    return found
 
 
 async def provide_to_peer(dht: KadDHT, peer: ID, cid: str) -> bool:
-    """Give ``peer`` our provider record for ``cid`` directly (one ADD_PROVIDER), whether or not it is among the
-    key's closest peers: how the trusted bootstrap peers come to hold every role's records."""
-    return bool(await dht.provider_store._send_add_provider(peer, _encode_key(cid)))
+    """Give ``peer`` our provider record for ``cid`` directly (one ADD_PROVIDER, fire-and-forget as upstream's
+    ``_send_add_provider`` and Kubo send it), whether or not it is among the key's closest peers: how the trusted
+    bootstrap peers come to hold every role's records. On a lazily negotiated stream (``_kad_request``)."""
+    host = dht.host
+    envelope = env_to_send_in_RPC(host)[0]
+    message = Message(type=Message.MessageType.ADD_PROVIDER, key=_encode_key(cid))
+    message.senderRecord = envelope
+    provider = message.providerPeers.add()
+    provider.id = host.get_id().to_bytes()
+    provider.addrs.extend(a.to_bytes() for a in host.get_addrs())
+    provider.signedRecord = envelope
+    await _kad_request(host, peer, message, answered=False)
+    return True
 
 
 def set_dht_handlers(dht: KadDHT, most: int) -> None:

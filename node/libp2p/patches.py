@@ -595,9 +595,7 @@ PATCHES: tuple[Patch, ...] = (
 INTERNALS: tuple[tuple[str, str], ...] = (
     ("BasicHost._swarm_stream_handler", "access.inbound_stream_entry: the allow-list gate wraps it"),
     ("BasicHost._addrs_factory", "nat.advertise: reachability picks the advertised addresses after the host exists"),
-    ("ProviderStore._get_providers_from_peer_with_closers", "access.providers_from_peer"),
     ("kad_dht._encode_key", "access.providers_from_peer, access.provide_to_peer"),
-    ("ProviderStore._send_add_provider", "access.provide_to_peer"),
     ("KadDHT._inbound_limiter", "access.set_dht_handlers, access.dht_slots"),
     ("CircuitV2Transport._make_reservation, ._reservations", "nat.RelayClient.reserve_on"),
     ("RelayResourceManager._reservations", "nat.RelayHop.reservations"),
