@@ -512,40 +512,33 @@ def samplers_main(args: argparse.Namespace) -> None:
             entry[1] += 1
             entry[2] += info.get("collected", 0)
 
-        from node.roles.trainer_rpc import TrainerClient
-
-        lease, leases = TrainerClient.lease, Counter()
-
-        async def timing_lease(self: Any, *a: Any, **kw: Any) -> Any:  # each work request: how long, how it ended
-            t = time.monotonic()
-            outcome = "answered"
-            try:
-                return await lease(self, *a, **kw)
-            except BaseException as exc:
-                outcome = type(exc).__name__
-                raise
-            finally:
-                took = time.monotonic() - t
-                within = next((f"<{b}" for b in (1, 5, 15) if took < b), ">=15")
-                leases[f"{outcome} in {within} s"] += 1
-
         import node.discovery as discovery
         from node.host import Swarm as NodeSwarm
+        from node.roles.trainer_rpc import TrainerClient
 
-        connect, find_role, looks = NodeSwarm.connect, discovery.find_role, Counter()
+        lease, connect, find_role = TrainerClient.lease, NodeSwarm.connect, discovery.find_role
+        leases, looks = Counter(), Counter()
 
         def within(took: float) -> str:
             return next((f"<{b}" for b in (1, 5, 10, 30) if took < b), ">=30")
 
-        async def timing_connect(self: Any, *a: Any, **kw: Any) -> Any:  # each dial: how it ended, how long
-            t, outcome = time.monotonic(), "connected"
-            try:
-                return await connect(self, *a, **kw)
-            except BaseException as exc:
-                outcome = type(exc).__name__
-                raise
-            finally:
-                looks[f"dial {outcome} in {within(time.monotonic() - t)} s"] += 1
+        def timed(call: Any, counts: Counter, label: str, ok: str) -> Any:
+            """``call``, counting each of its calls in ``counts`` by how it ended and how long it took."""
+
+            async def wrapper(*a: Any, **kw: Any) -> Any:
+                t, outcome = time.monotonic(), ok
+                try:
+                    return await call(*a, **kw)
+                except BaseException as exc:
+                    outcome = type(exc).__name__
+                    raise
+                finally:
+                    counts[f"{label}{outcome} in {within(time.monotonic() - t)} s"] += 1
+
+            return wrapper
+
+        timing_lease = timed(lease, leases, "", "answered")  # each work request
+        timing_connect = timed(connect, looks, "dial ", "connected")  # each dial
 
         async def timing_find(swarm: Any, key: str, *a: Any, **kw: Any) -> Any:  # each role lookup: what it found
             t, found = time.monotonic(), None
