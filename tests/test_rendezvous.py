@@ -368,3 +368,23 @@ async def test_the_trainer_is_found_while_dials_to_samplers_hang(monkeypatch, au
             await d.trainer_found.wait()
         nursery.cancel_scope.cancel()
     assert d.trainer_found_by["dht"] == 1 and d.trainer_addrs == [trainer_addr] and len(trainer_looks) == 2
+
+
+async def test_a_dht_answer_that_does_not_parse_is_a_clear_error_not_an_empty_list(tmp_path):
+    """A trusted peer's provider answer is read on a lazily negotiated stream; garbage is refused by name (a
+    ProtocolError), not read as "no providers" (a reset is PeerClosed: the refused-request test above)."""
+    import varint
+    from libp2p.custom_types import TProtocol
+
+    from node.libp2p import providers_from_peer
+    from protocols.errors import ProtocolError
+
+    async def garbage(stream):
+        await stream.read(4096)
+        await stream.write(varint.encode(6) + b"\xff" * 6)
+        await stream.close()
+
+    async with dht_server_and_client(tmp_path) as (server, client, cid):
+        server.host.set_stream_handler(TProtocol("/ipfs/kad/1.0.0"), garbage)
+        with trio.fail_after(10), pytest.raises(ProtocolError, match="does not parse"):
+            await providers_from_peer(client.dht, server.peer_id, cid)
