@@ -450,8 +450,9 @@ def samplers_main(args: argparse.Namespace) -> None:
             set_protocol(self, protocol_id)
 
         async def negotiating(self: Any, communicator: Any, *a: Any, **kw: Any) -> Any:
-            """Each inbound stream's negotiation, by what it ended with: its task is renamed after the protocol, so
-            the handler's CPU shows by protocol (a stream refused shows the last protocol it asked for)."""
+            """Each inbound negotiation (of a stream; of a connection's upgrade too: /noise, /yamux), by what it
+            ended with: its task is renamed after the protocol, so the handler's CPU shows by protocol (a refused
+            or abandoned one shows the last thing it read)."""
             read, asked = communicator.read, []
 
             async def recording() -> Any:
@@ -546,7 +547,7 @@ def samplers_main(args: argparse.Namespace) -> None:
                 found = await find_role(swarm, key, *a, **kw)
                 return found
             finally:
-                what = "cancelled" if found is None else "found none" if not found else "found some"
+                what = "raised" if found is None else "found none" if not found else "found some"
                 looks[f"{key.rsplit('/', 1)[-1]} lookup {what} in {within(time.monotonic() - t)} s"] += 1
 
         NodeSwarm.connect, discovery.find_role = timing_connect, timing_find  # type: ignore[method-assign]
