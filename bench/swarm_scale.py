@@ -550,7 +550,22 @@ def samplers_main(args: argparse.Namespace) -> None:
                 what = "raised" if found is None else "found none" if not found else "found some"
                 looks[f"{key.rsplit('/', 1)[-1]} lookup {what} in {within(time.monotonic() - t)} s"] += 1
 
+        asked = discovery.providers_from_peer
+
+        async def timing_asked(dht: Any, peer: Any, cid: str) -> Any:  # each question to a trusted peer
+            t, outcome = time.monotonic(), "raised"
+            try:
+                found = await asked(dht, peer, cid)
+                outcome = f"answered {'none' if not found else 'some'}"
+                return found
+            except BaseException as exc:
+                outcome = type(exc).__name__
+                raise
+            finally:
+                looks[f"trusted peer {outcome} in {within(time.monotonic() - t)} s"] += 1
+
         NodeSwarm.connect, discovery.find_role = timing_connect, timing_find  # type: ignore[method-assign]
+        discovery.providers_from_peer = timing_asked  # type: ignore[assignment]
         TrainerClient.lease = timing_lease  # type: ignore[method-assign]
         NetStream.set_protocol, yamux.read_exactly = counting, reading  # type: ignore[method-assign]
         Multiselect.negotiate, BasicHost.new_stream = negotiating, opening  # type: ignore[method-assign]
@@ -565,6 +580,7 @@ def samplers_main(args: argparse.Namespace) -> None:
         trio.lowlevel.remove_instrument(steps)
         TrainerClient.lease = lease  # type: ignore[method-assign]
         NodeSwarm.connect, discovery.find_role = connect, find_role  # type: ignore[method-assign]
+        discovery.providers_from_peer = asked  # type: ignore[assignment]
         NetStream.set_protocol, yamux.read_exactly = set_protocol, read_exactly  # type: ignore[method-assign]
         Multiselect.negotiate, BasicHost.new_stream = negotiate, new_stream  # type: ignore[method-assign]
         Network.add_conn, Network.remove_conn = add_conn, remove_conn  # type: ignore[method-assign]
