@@ -139,8 +139,9 @@ TRUSTED_ASKED = 2  # trusted peers (bootstrap nodes, the trainer) a node gives i
 TRUSTED_TIMEOUT = 10.0  # seconds a trusted peer has to answer a lookup or take a record (doubled while it is late)
 TRUSTED_TIMEOUT_MOST = 80.0  # up to this
 R = TypeVar("R")
-# (our peer id, the trusted peer's) -> its calls in a row that ran out of time; a process packs many nodes (benches)
-_late: dict[tuple[str, str], int] = {}
+# (our peer id, the trusted peer's, the kind of call) -> its calls in a row that ran out of time; a process packs many
+# nodes (benches)
+_late: dict[tuple[str, str, str], int] = {}
 
 
 def trusted_timeout(late_in_a_row: int) -> float:
@@ -185,7 +186,9 @@ async def _at_trusted(swarm: DhtNode, what: str, call: Callable[[ID], Awaitable[
     results: list[R] = []
 
     async def one(peer: ID) -> None:
-        key = (str(swarm.peer_id), str(peer))
+        # per kind of call: a record given (fire-and-forget, done at once) says nothing of how long an answer takes,
+        # and at N = 256 on one box each one reset the lookups' backoff, so they ran out at 10 s for good
+        key = (str(swarm.peer_id), str(peer), what.split(" ", 1)[0])
         with trio.move_on_after(trusted_timeout(_late.get(key, 0))) as scope:
             try:
                 results.append(await call(peer))
