@@ -35,7 +35,7 @@ import weakref
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 from libp2p.abc import IHost, INetStream
@@ -447,6 +447,31 @@ class AnswerClock:
     def late(self, waited: float) -> None:
         """A request got no answer in ``waited`` seconds."""
         self.backoff = min(self.ceiling, 2 * max(self.backoff, waited))
+
+
+class Clock(Protocol):
+    """What the timing of a request teaches: ``AnswerClock``, node/weights/policy.py ``OwnDelay``."""
+
+    def answered(self, seconds: float) -> None: ...
+
+    def late(self, waited: float) -> None: ...
+
+
+@contextmanager
+def timed_by(clock: Clock, deadline: float) -> Iterator[None]:
+    """Teach ``clock`` how the request in this block, given ``deadline`` seconds, went: a reply (an error reply too)
+    took so long; running out (``trio.TooSlowError``) backs it off. Anything else (a reset, a peer gone) says
+    nothing of how long answers take here."""
+    asked = trio.current_time()
+    try:
+        yield
+    except RemoteError:
+        clock.answered(trio.current_time() - asked)
+        raise
+    except trio.TooSlowError:
+        clock.late(deadline)
+        raise
+    clock.answered(trio.current_time() - asked)
 
 
 async def request(

@@ -17,9 +17,10 @@ from node.host import build_host
 from node.local_swarm import node_config, settings
 from node.roles.sampler import WORK_TIMEOUT, WORK_TIMEOUT_MOST, SamplerRole
 from node.roles.trainer_rpc import TrainerClient
-from node.rpc import AnswerClock, serve
+from node.rpc import AnswerClock, serve, timed_by
 from node.weights import policy
 from protocols import work
+from protocols.errors import PeerClosed, RemoteError
 from protocols.work import SamplingParams, TaskSpec, WorkLease
 
 LISTEN = multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")
@@ -89,6 +90,30 @@ def test_a_node_never_answered_in_time_learns_its_delay_by_backing_off():
     assert own.seconds() == policy.ANSWERS_MOST
     own.answered(10.0)  # answered at last: its delay is what replies take, the backoff ends
     assert own.seconds() == pytest.approx(40.0)
+
+
+async def test_a_requests_timing_teaches_the_clock_a_reply_an_error_reply_or_running_out_but_not_a_lost_peer(
+    autojump_clock,
+):
+    """``timed_by``, the one place the timing of manifests, have-polls, chunks and work requests is learned: an
+    error reply ("not held", "busy") is an answer and took as long as it took; a request that ran out backs the
+    clock off; a reset says nothing of how long answers take here."""
+    clock = AnswerClock(1.0, 60.0)
+    with timed_by(clock, 1.0):
+        await trio.sleep(3.0)
+    assert clock.srtt == pytest.approx(3.0)
+    with pytest.raises(RemoteError), timed_by(clock, 1.0):
+        await trio.sleep(5.0)
+        raise RemoteError("not_held", "not held")
+    assert clock.srtt == pytest.approx(0.875 * 3.0 + 0.125 * 5.0)
+    with pytest.raises(trio.TooSlowError), timed_by(clock, 8.0):
+        with trio.fail_after(8.0):
+            await trio.sleep(20.0)
+    assert clock.backoff == 16.0
+    srtt = clock.srtt
+    with pytest.raises(PeerClosed), timed_by(clock, 32.0):
+        raise PeerClosed("reset")
+    assert (clock.srtt, clock.backoff) == (srtt, 16.0)
 
 
 def lease_reply() -> dict[str, Any]:

@@ -20,7 +20,7 @@ from node.engines import install as install_weights
 from node.errors import describe
 from node.host import Swarm
 from node.roles.trainer_rpc import TrainerClient
-from node.rpc import AnswerClock, backpressure
+from node.rpc import AnswerClock, backpressure, timed_by
 from node.settings import Settings
 from node.weights.patch import WeightChanges
 from node.weights.server import WeightServer
@@ -208,17 +208,9 @@ class SamplerRole:
         request that runs out of time is waited for longer the next time, not given up on at the same deadline while
         the trainer issues a lease for each (a closed connection or a refusal still ends it at once)."""
         ask = groups_to_ask(self.group_seconds, self.lease_seconds, self.settings.groups_per_request)
-        request, asked, timeout = WorkRequest(ask, self.report()), trio.current_time(), self.work_clock.timeout()
-        try:
-            lease = await self.trainer.lease(self.trainer_id, request, timeout)
-        except trio.TooSlowError:
-            self.work_clock.late(timeout)
-            raise
-        except RemoteError:
-            self.work_clock.answered(trio.current_time() - asked)
-            raise
-        self.work_clock.answered(trio.current_time() - asked)
-        return lease
+        timeout = self.work_clock.timeout()
+        with timed_by(self.work_clock, timeout):
+            return await self.trainer.lease(self.trainer_id, WorkRequest(ask, self.report()), timeout)
 
     async def _fresh_enough(self, lease: WorkLease) -> bool:
         """Don't sample what the trainer will refuse as stale: wait for newer weights (up to the lease's life)."""

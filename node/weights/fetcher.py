@@ -46,7 +46,7 @@ import trio
 from libp2p.abc import IHost
 from libp2p.peer.id import ID
 
-from node.rpc import backpressure
+from node.rpc import backpressure, timed_by
 from node.strikes import Strikes
 from node.weights import policy
 from node.weights.manifest import chunk_sizes
@@ -312,17 +312,14 @@ class Download:
         one box never learned what the trainer holds, asked it for nothing and held no version after 10 minutes."""
         self.heard[peer] = trio.current_time()  # asked, answered or not: not again before the interval
         own = self.conduct.own_delay
-        timeout, asked = max(policy.HAVE_TIMEOUT, own.seconds()), trio.current_time()
+        timeout = max(policy.HAVE_TIMEOUT, own.seconds())
         try:
-            bits = await self.client.have(peer, self.mid, len(self.layout.chunks), timeout)
-        except trio.TooSlowError:
-            own.late(timeout)
-            return
+            with timed_by(own, timeout):
+                bits = await self.client.have(peer, self.mid, len(self.layout.chunks), timeout)
         except Exception:
-            return  # not holding this version (yet), or gone
+            return  # too slow, not holding this version (yet), or gone
         finally:
             self._polling.discard(peer)
-        own.answered(trio.current_time() - asked)
         self._learn_bits(peer, bits)
         self._staff(peer, nursery)
 
@@ -403,14 +400,12 @@ class Download:
         deadline = policy.reply_deadline(
             peer == self.origin, size, queued, self.downlink.rate(), self.settings, own.seconds()
         )
-        asked = trio.current_time()
         try:
-            found, bits = await self.client.chunks(
-                peer, hashes, self.mid, self.manifest.chunk_size, len(self.layout.chunks), deadline
-            )
-            own.answered(trio.current_time() - asked)
+            with timed_by(own, deadline):  # a node never answered in time must still learn its delay (a newcomer)
+                found, bits = await self.client.chunks(
+                    peer, hashes, self.mid, self.manifest.chunk_size, len(self.layout.chunks), deadline
+                )
         except RemoteError as exc:
-            own.answered(trio.current_time() - asked)
             pause = backpressure(exc)
             if pause is not None:  # its upload limit: ask again later, no blame
                 self.resting[peer] = trio.current_time() + pause
@@ -419,7 +414,6 @@ class Download:
             self._failed(peer, batch, f"{exc}")
             return False
         except trio.TooSlowError:
-            own.late(deadline)  # a node never answered in time must still learn its delay (a newcomer)
             outcome.append(False)
             key = str(peer)
             self.stats.slow[key] = self.stats.slow.get(key, 0) + 1

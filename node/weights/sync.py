@@ -36,7 +36,7 @@ import trio
 from libp2p.peer.id import ID
 
 from node.host import Swarm
-from node.rpc import serve
+from node.rpc import serve, timed_by
 from node.settings import WeightSettings
 from node.strikes import Strikes
 from node.weights import policy
@@ -542,17 +542,13 @@ class WeightSync:
         newcomer without the manifests of version 0's chain ("no route ... asking again", 103 times at N = 256 on
         one box), and 114-130 of 256 samplers never installed a version."""
         own = self.conduct.own_delay
-        timeout, asked = max(timeout, own.seconds()), trio.current_time()
-        try:
+        timeout = max(timeout, own.seconds())
+        with timed_by(own, timeout):
             if mid is None:
                 encoding = self.encoding if self.encoding != w.DEFAULT_ENCODING else None
                 signed = await self.client.manifest(peer, None, timeout, encoding, self._newest_known())
             else:
                 signed = await self.client.manifest(peer, mid, timeout)
-        except trio.TooSlowError:
-            own.late(timeout)
-            raise
-        own.answered(trio.current_time() - asked)
         if signed is None:
             return None
         got, signed, manifest = self._verify_once(signed)
