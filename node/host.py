@@ -43,6 +43,7 @@ from node.libp2p import install as install_libp2p
 from node.libp2p.conns import library_limits, stop_library_dialler
 from node.private import PeerGate
 from node.reachability import Reachability, ReachOptions, is_relayed_addr
+from node.rpc import AnswerClock, timed_by
 from node.weights.gossip import Gossip, open_gossip
 
 log = logging.getLogger(__name__)
@@ -369,20 +370,29 @@ def bootstrap_peers(swarm: Swarm, addrs: tuple[multiaddr.Multiaddr, ...]) -> tup
     return others, listed
 
 
+JOIN_DIAL = 10.0  # seconds a dial to a bootstrap peer may take at first (doubled after one runs out)
+
+
 async def join_bootstrap(swarm: Swarm, infos: list[PeerInfo], timeout: float) -> int:
     """Connect to every bootstrap peer we can; retry until ``timeout``; raise if none answered.
 
-    Returns how many were reached. A node with no bootstrap peers is a swarm's first node.
+    Returns how many were reached. A node with no bootstrap peers is a swarm's first node. A dial may take
+    ``JOIN_DIAL`` seconds, twice as long after one ran out (``AnswerClock``: Karn's backoff), up to what is left:
+    at a fixed 10 s, on a loaded box (N = 256, bench/swarm_scale) every handshake with the bootstrap node took
+    longer, each was abandoned and begun again, and 6 samplers gave up after 60 s.
     """
     if not infos:
         return 0
     errors: dict[str, str] = {}
     deadline = trio.current_time() + timeout
+    clock = AnswerClock(JOIN_DIAL, timeout)
     while True:
         reached = 0
         for info in infos:
+            wait = max(1.0, min(clock.timeout(), deadline - trio.current_time()))
             try:
-                await swarm.connect(info, timeout=max(1.0, min(10.0, deadline - trio.current_time())))
+                with timed_by(clock, wait):
+                    await swarm.connect(info, timeout=wait)
                 reached += 1
             except Exception as exc:
                 errors.setdefault(str(info.peer_id), f"{type(exc).__name__}: {exc}"[:200])

@@ -5,7 +5,8 @@ from __future__ import annotations
 import socket
 
 import trio
-from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from multiaddr import Multiaddr
 
 from node.discovery import SamplerDiscovery, read_trainer_addrs
@@ -142,6 +143,23 @@ async def test_joining_waits_for_a_bootstrap_peer_that_comes_up_late(tmp_path):
         with trio.fail_after(30):
             assert await join_bootstrap(me, [info_from_p2p_addr(boot_addr)], timeout=20) == 1
         nursery.cancel_scope.cancel()
+
+
+async def test_a_bootstrap_node_slower_to_answer_than_a_dials_first_deadline_is_reached_on_a_longer_one(autojump_clock):
+    """On a loaded box every handshake with the bootstrap node took longer than the fixed 10 s a dial was given:
+    each was abandoned and begun again until the join gave up (N = 256, bench/swarm_scale: 6 samplers). A dial that
+    ran out is given twice as long the next time."""
+    tries: list[float] = []
+
+    class SlowHandshakes:  # what join_bootstrap uses of a Swarm: connect, under its deadline
+        async def connect(self, info: PeerInfo, timeout: float) -> None:
+            tries.append(timeout)
+            with trio.fail_after(timeout):
+                await trio.sleep(15.0)
+
+    boot = PeerInfo(peer_id_of(create_new_key_pair()), [])
+    assert await join_bootstrap(SlowHandshakes(), [boot], timeout=60) == 1  # type: ignore[arg-type]
+    assert tries == [10.0, 20.0]
 
 
 async def test_a_node_listed_in_its_own_bootstrap_list_is_a_bootstrap_node(tmp_path):
