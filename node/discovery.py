@@ -97,20 +97,24 @@ PROVIDE_SPREAD = 2  # x interval: a node's first DHT provide comes at a point of
 PROVIDE_JITTER = 0.5  # each wait between provides is stretched by a factor in [1 - this / 2, 1 + this / 2)
 
 
-def next_provide(interval: float, provided: int, failed: int = 0, point: float = 0.5) -> float:
+def next_provide(interval: float, provided: int, failed: int = 0, point: float = 0.5, held: bool = False) -> float:
     """Seconds until the next re-provide after ``provided`` provides in a row reached some peer, or ``failed`` in a
     row reached none. Each provide is a DHT walk plus ADD_PROVIDER streams to the k = 20 closest peers: every
     host doing that every 30 s was, with the lookups, a large part of a sampler's upkeep at N = 32-64
     (bench/swarm_scale). Records live 48 h in py-libp2p (go-libp2p re-provides every 22 h); re-providing often
     matters while the swarm is young and its closest peers to a key still change, so the interval doubles from
     ``interval`` up to ``PROVIDE_CAP`` x. A failed provide is retried after 2 s, doubling up to ``interval``: a
-    provide fails when the swarm is too busy to answer, and retrying it every 2 s added to that load.
+    provide fails when the swarm is too busy to answer, and retrying it every 2 s added to that load. While a trusted
+    peer ``held`` the record (took it at the last try), newcomers find it there in one round trip, and the failed
+    walk's retries back off on up to ``PROVIDE_CAP`` x ``interval``: at N = 256 on one box, failing provides retried
+    every 30 s were 0.10 cancelled DHT stream opens a second per host (bench/swarm_scale --profile), each a
+    negotiation its far end paid for.
 
     ``point`` (in [0, 1), drawn afresh for each wait) stretches the wait by up to ``PROVIDE_JITTER`` / 2 either
     way: nodes that joined together (a join wave, a lab) otherwise re-provide together for ever (in bench/wan's lab,
     15 DHT walks with their ADD_PROVIDER streams in one burst a minute, over the versions going out then)."""
     if provided <= 0:
-        base = min(interval, 2.0 * 2 ** min(max(failed, 1) - 1, 16))
+        base = min(PROVIDE_CAP * interval if held else interval, 2.0 * 2 ** min(max(failed, 1) - 1, 16))
     else:
         base = min(PROVIDE_CAP * interval, interval * 2 ** min(provided - 1, 16))
     return base * (1.0 + PROVIDE_JITTER * (min(max(point, 0.0), 1.0) - 0.5))
@@ -169,8 +173,8 @@ async def provide_forever(swarm: DhtNode, key: str, interval: float) -> None:
             log.debug("provide %s (%s) failed: %s", key, cid, exc)
             ok = False
         provided, failed = (provided + 1, 0) if ok else (0, failed + 1)
-        await trio.sleep(next_provide(interval, provided, failed, random.random()))
-        await _provide_to_trusted(swarm, cid)
+        await trio.sleep(next_provide(interval, provided, failed, random.random(), held=took > 0))
+        took = await _provide_to_trusted(swarm, cid)
 
 
 def _trusted_connected(swarm: DhtNode) -> list[ID]:

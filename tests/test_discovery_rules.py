@@ -92,6 +92,14 @@ def test_a_provide_that_keeps_failing_is_retried_ever_less_often_up_to_the_inter
     assert waits == [2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0]
 
 
+def test_a_failing_provide_of_a_record_the_trusted_peers_hold_backs_off_past_the_interval_up_to_the_cap():
+    """Newcomers find the record at the trusted peers; the DHT's copy is the fallback, and a walk that fails on a
+    busy swarm, retried every interval, added to its load (N = 256: 0.10 cancelled DHT stream opens/s per host)."""
+    waits = [discovery.next_provide(30.0, 0, failed, held=True) for failed in range(1, 12)]
+    assert waits == [2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 600.0, 600.0]
+    assert discovery.next_provide(30.0, 2, held=True) == discovery.next_provide(30.0, 2)  # success: as before
+
+
 def test_each_wait_between_provides_is_jittered_so_a_join_wave_does_not_re_provide_together():
     import random
 

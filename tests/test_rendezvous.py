@@ -25,6 +25,7 @@ class FakeDht:
     records: dict[str, list[PeerInfo]] = field(default_factory=dict)  # what the DHT's walk would find
     walks: int = 0
     provides: int = 0
+    provide_ok: bool = True  # whether a DHT provide reaches some peer (False: the swarm is too busy to answer)
 
     async def find_providers(self, cid: str) -> list[PeerInfo]:
         self.walks += 1
@@ -32,7 +33,7 @@ class FakeDht:
 
     async def provide(self, cid: str) -> bool:
         self.provides += 1
-        return True
+        return self.provide_ok
 
 
 class FakeHost:
@@ -220,6 +221,24 @@ async def test_a_node_no_trusted_peer_took_provides_to_the_dht_at_once(monkeypat
     with trio.move_on_after(0.1):
         await discovery.provide_forever(n, discovery.role_key("s", "sampler"), 30.0)
     assert n.dht.provides == 1
+
+
+@pytest.mark.parametrize("trusted_take_it", [True, False])
+async def test_a_failing_dht_provide_is_retried_far_less_often_while_the_trusted_peers_hold_the_record(
+    monkeypatch, autojump_clock, trusted_take_it
+):
+    async def provide_to_peer(dht, peer, cid):
+        return trusted_take_it
+
+    monkeypatch.setattr(discovery, "provide_to_peer", provide_to_peer)
+    n = node([BOOT, OTHER_BOOT])
+    n.dht.provide_ok = False
+    with trio.move_on_after(1800.0):
+        await discovery.provide_forever(n, discovery.role_key("s", "sampler"), 30.0)
+    if trusted_take_it:  # 2, 4, 8 ... 512 s, then every 10 min (jittered)
+        assert 9 <= n.dht.provides <= 13
+    else:  # the DHT is how it is found: every 30 s once the retries reach the interval
+        assert n.dht.provides >= 50
 
 
 def test_first_dht_provides_spread_over_the_window_when_a_trusted_peer_holds_the_record():
