@@ -428,8 +428,12 @@ def samplers_main(args: argparse.Namespace) -> None:
         where a sampler host's upkeep goes. A trio instrument times every task step with the thread's CPU clock,
         so the engine's thread is not counted and nothing is sampled (cProfile distorted this code ~30x here)."""
         import struct
+        from contextvars import ContextVar
 
         from libp2p.host.basic_host import BasicHost
+        from libp2p.kad_dht.kad_dht import KadDHT
+        from libp2p.kad_dht.provider_store import ProviderStore
+        from libp2p.kad_dht.routing_table import KBucket
         from libp2p.network.stream.net_stream import NetStream
         from libp2p.network.swarm import Swarm as Network
         from libp2p.protocol_muxer.multiselect import Multiselect
@@ -441,6 +445,24 @@ def samplers_main(args: argparse.Namespace) -> None:
             NetStream.set_protocol, yamux.read_exactly, Network.add_conn, Network.remove_conn)  # fmt: skip
         negotiate, inbound = Multiselect.negotiate, Counter()
         new_stream, outbound = BasicHost.new_stream, Counter()
+        source: ContextVar[str] = ContextVar("source", default="other")  # which DHT job opened a stream (tasks
+        # started inside a job copy its context, so its walk's streams carry its name)
+        jobs = {(KadDHT, "provide"): "provide", (KadDHT, "find_providers"): "find providers",
+                (KadDHT, "refresh_routing_table"): "refresh", (KBucket, "_ping_peer"): "bucket ping",
+                (ProviderStore, "_republish_provider_records"): "republish"}  # fmt: skip
+        jobs = {k: v for k, v in jobs.items() if hasattr(*k)}
+        unwrapped = {k: getattr(*k) for k in jobs}
+
+        def tagged(call: Any, name: str) -> Any:
+            async def wrapper(*a: Any, **kw: Any) -> Any:
+                token = source.set(name)
+                try:
+                    return await call(*a, **kw)
+                finally:
+                    source.reset(token)
+
+            return wrapper
+
         kinds = {yamux.TYPE_DATA: "data", yamux.TYPE_WINDOW_UPDATE: "window", yamux.TYPE_PING: "ping",
                  yamux.TYPE_GO_AWAY: "go-away"}  # fmt: skip
         flags = ((yamux.FLAG_SYN, "SYN"), (yamux.FLAG_ACK, "ACK"), (yamux.FLAG_FIN, "FIN"), (yamux.FLAG_RST, "RST"))
@@ -491,7 +513,7 @@ def samplers_main(args: argparse.Namespace) -> None:
                 outcome = type(exc).__name__
                 raise
             finally:
-                outbound[f"{outcome} {protocols[0] if protocols else '?'}"] += 1
+                outbound[f"{source.get()}: {outcome} {protocols[0] if protocols else '?'}"] += 1
 
         async def adding(self: Any, *args: Any, **kwargs: Any) -> Any:
             conns["opened"] += 1
@@ -570,6 +592,8 @@ def samplers_main(args: argparse.Namespace) -> None:
         NetStream.set_protocol, yamux.read_exactly = counting, reading  # type: ignore[method-assign]
         Multiselect.negotiate, BasicHost.new_stream = negotiating, opening  # type: ignore[method-assign]
         Network.add_conn, Network.remove_conn = adding, removing  # type: ignore[method-assign]
+        for (cls, attr), name in jobs.items():
+            setattr(cls, attr, tagged(unwrapped[cls, attr], name))
         trio.lowlevel.add_instrument(steps)
         gc.callbacks.append(gc_timer)
         t0 = time.thread_time()
@@ -584,6 +608,8 @@ def samplers_main(args: argparse.Namespace) -> None:
         NetStream.set_protocol, yamux.read_exactly = set_protocol, read_exactly  # type: ignore[method-assign]
         Multiselect.negotiate, BasicHost.new_stream = negotiate, new_stream  # type: ignore[method-assign]
         Network.add_conn, Network.remove_conn = add_conn, remove_conn  # type: ignore[method-assign]
+        for (cls, attr), call in unwrapped.items():
+            setattr(cls, attr, call)
         live: Counter = Counter()  # the tasks alive at the window's end, by name: what waits (a backlog shows here)
         todo = [trio.lowlevel.current_root_task()]
         while todo:
