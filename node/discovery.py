@@ -295,7 +295,7 @@ P = TypeVar("P", bound=Hashable)
 class DialingNode(DhtNode, Protocol):
     """What a sampler's discovery needs of a node: the DHT, and dialing (node/host.py's Swarm)."""
 
-    async def connect(self, info: PeerInfo, timeout: float = ...) -> None: ...
+    async def connect(self, info: PeerInfo, timeout: float | None = ...) -> None: ...
 
 
 def trainer_step(found: bool, connected: bool) -> str:

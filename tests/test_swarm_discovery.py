@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import socket
+from types import SimpleNamespace
 
+import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from multiaddr import Multiaddr
 
 from node.discovery import SamplerDiscovery, read_trainer_addrs
-from node.host import bootstrap_peers, join_bootstrap, open_swarm
+from node.host import Swarm, bootstrap_peers, join_bootstrap, open_swarm
 from node.identity import load_or_create_key, peer_id_of
+from node.private import PeerGate
 from node.roles.bootstrap import BootstrapRole
 from tests.helpers import (
     LOOPBACK,
@@ -160,6 +164,36 @@ async def test_a_bootstrap_node_slower_to_answer_than_a_dials_first_deadline_is_
     boot = PeerInfo(peer_id_of(create_new_key_pair()), [])
     assert await join_bootstrap(SlowHandshakes(), [boot], timeout=60) == 1  # type: ignore[arg-type]
     assert tries == [10.0, 20.0]
+
+
+async def test_a_dial_given_no_deadline_takes_as_long_as_this_nodes_dials_take(autojump_clock, monkeypatch):
+    """``Swarm.connect``'s dial clock: at a fixed 10 s, a loaded sampler's handshakes with the trainer ran out again
+    and again (N = 256 on one box: 63 samplers still searching for the trainer after 11 minutes). A dial that ran
+    out is given twice as long the next time; one that answered sets the deadline (SRTT + 4 RTTVAR); a dial given
+    its own deadline teaches nothing."""
+    me = ID(b"\x01" * 34)
+    host = SimpleNamespace(get_id=lambda: me)
+
+    async def add_peer(peer: ID) -> None:
+        return None
+
+    swarm = Swarm(host, SimpleNamespace(add_peer=add_peer), None, PeerGate(None), conns=SimpleNamespace())  # type: ignore[arg-type]
+    given: list[float] = []
+
+    async def dial(info: PeerInfo, timeout: float) -> None:  # a handshake that takes 15 s here
+        given.append(timeout)
+        with trio.fail_after(timeout):
+            await trio.sleep(15.0)
+
+    monkeypatch.setattr(swarm, "_dial", dial)
+    peer = PeerInfo(ID(b"\x02" * 34), [])
+    with pytest.raises(trio.TooSlowError):
+        await swarm.connect(peer)
+    await swarm.connect(peer)
+    with pytest.raises(trio.TooSlowError):
+        await swarm.connect(peer, timeout=5.0)
+    await swarm.connect(peer)
+    assert given == [10.0, 20.0, 5.0, 15.0 + 4 * 7.5]
 
 
 async def test_a_node_listed_in_its_own_bootstrap_list_is_a_bootstrap_node(tmp_path):
