@@ -38,6 +38,7 @@ from multiaddr import Multiaddr
 from node.libp2p import provide_to_peer, providers_from_peer
 from node.libp2p.conns import Notifee
 from node.libp2p.nat import is_relayed_addr
+from node.rpc import AnswerClock, timed_by
 
 log = logging.getLogger(__name__)
 
@@ -140,21 +141,25 @@ def spread_point(peer_id: ID, cid: str) -> float:
 
 
 TRUSTED_ASKED = 2  # trusted peers (bootstrap nodes, the trainer) a node gives its records to and asks for others'
-TRUSTED_TIMEOUT = 10.0  # seconds a trusted peer has to answer a lookup or take a record (doubled while it is late)
+TRUSTED_TIMEOUT = 10.0  # seconds a trusted peer has to answer a lookup or take a record, at first and at least
 TRUSTED_TIMEOUT_MOST = 80.0  # up to this
 R = TypeVar("R")
-# (our peer id, the trusted peer's, the kind of call) -> its calls in a row that ran out of time; a process packs many
-# nodes (benches)
-_late: dict[tuple[str, str, str], int] = {}
+# (our peer id, the trusted peer's, the kind of call) -> how long its answers take; a process packs many nodes (benches)
+_clocks: dict[tuple[str, str, str], AnswerClock] = {}
 
 
-def trusted_timeout(late_in_a_row: int) -> float:
-    """Seconds a trusted peer has to answer, after ``late_in_a_row`` of its calls ran out of time: doubled with each,
-    up to ``TRUSTED_TIMEOUT_MOST``; back to ``TRUSTED_TIMEOUT`` once it answers. A fixed 10 s abandoned every
-    answer of an overloaded bootstrap node, or of one reached from a loaded machine, and asked again: at N = 256 on
-    one box the samplers still searching timed out on 115 of 121 calls in a minute and never found the trainer
-    (TCP's retransmission timeout doubles the same way)."""
-    return min(TRUSTED_TIMEOUT_MOST, TRUSTED_TIMEOUT * 2 ** min(late_in_a_row, 8))
+def trusted_clock(key: tuple[str, str, str]) -> AnswerClock:
+    """How long a trusted peer's answers to one kind of call take here (``AnswerClock``: SRTT + 4 RTTVAR, at least
+    ``TRUSTED_TIMEOUT``, doubled after a call ran out, up to ``TRUSTED_TIMEOUT_MOST``). A fixed 10 s abandoned
+    every answer of an overloaded bootstrap node, or of one reached from a loaded machine: at N = 256 on one box the
+    samplers still searching timed out on 115 of 121 calls in a minute. A backoff that an answer reset to 10 s was
+    no better once answers took 10-30 s: the next two calls ran out again (133 of 167 a process-minute)."""
+    clock = _clocks.get(key)
+    if clock is None:
+        if len(_clocks) >= 4096:
+            _clocks.clear()
+        clock = _clocks[key] = AnswerClock(TRUSTED_TIMEOUT, TRUSTED_TIMEOUT_MOST)
+    return clock
 
 
 async def provide_forever(swarm: DhtNode, key: str, interval: float) -> None:
@@ -184,7 +189,7 @@ def _trusted_connected(swarm: DhtNode) -> list[ID]:
 
 
 async def _at_trusted(swarm: DhtNode, what: str, call: Callable[[ID], Awaitable[R]]) -> tuple[int, list[R]]:
-    """``call`` each trusted peer connected (``_trusted_connected``), all at once, each within ``trusted_timeout``:
+    """``call`` each trusted peer connected (``_trusted_connected``), all at once, each within ``trusted_clock``'s:
     how many were called, and the results of those that answered in time."""
     called = _trusted_connected(swarm)
     results: list[R] = []
@@ -192,18 +197,15 @@ async def _at_trusted(swarm: DhtNode, what: str, call: Callable[[ID], Awaitable[
     async def one(peer: ID) -> None:
         # per kind of call: a record given (fire-and-forget, done at once) says nothing of how long an answer takes,
         # and at N = 256 on one box each one reset the lookups' backoff, so they ran out at 10 s for good
-        key = (str(swarm.peer_id), str(peer), what.split(" ", 1)[0])
-        with trio.move_on_after(trusted_timeout(_late.get(key, 0))) as scope:
-            try:
+        clock = trusted_clock((str(swarm.peer_id), str(peer), what.split(" ", 1)[0]))
+        wait = clock.timeout()
+        try:
+            with timed_by(clock, wait), trio.fail_after(wait):
                 results.append(await call(peer))
-            except Exception as exc:
-                log.debug("%s at %s: %s", what, peer, exc)
-        if scope.cancelled_caught:
-            if len(_late) >= 4096:
-                _late.clear()
-            _late[key] = _late.get(key, 0) + 1
-        else:
-            _late.pop(key, None)
+        except trio.TooSlowError:
+            log.debug("%s at %s: no answer within %.0f s", what, peer, wait)
+        except Exception as exc:
+            log.debug("%s at %s: %s", what, peer, exc)
 
     async with trio.open_nursery() as nursery:
         for peer in called:

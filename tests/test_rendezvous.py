@@ -55,7 +55,7 @@ class FakeNode:
 @pytest.fixture(autouse=True)
 def no_late_trusted_peers(monkeypatch):
     """Each test starts with no trusted peer known to be late (discovery keeps that per process)."""
-    monkeypatch.setattr(discovery, "_late", {})
+    monkeypatch.setattr(discovery, "_clocks", {})
 
 
 def node(connected: list[ID]) -> FakeNode:
@@ -119,10 +119,13 @@ async def test_a_trusted_peer_whose_request_failed_did_not_answer_the_dht_is_not
     assert n.dht.walks == 0
 
 
-async def test_a_late_trusted_peer_gets_twice_the_time_at_each_call_until_it_answers(monkeypatch, autojump_clock):
+async def test_a_late_trusted_peer_gets_twice_the_time_at_each_call_and_then_as_long_as_its_answers_take(
+    monkeypatch, autojump_clock
+):
     """A fixed 10 s abandoned every answer of an overloaded bootstrap node, and asked again: at N = 256 on one box
     the samplers still searching timed out on 115 of 121 calls in a minute. The bound doubles while the peer is
-    late (up to TRUSTED_TIMEOUT_MOST) and is back to TRUSTED_TIMEOUT once it answers."""
+    late (up to TRUSTED_TIMEOUT_MOST); once it answers, the bound is how long its answers take (SRTT + 4 RTTVAR),
+    not 10 s again: answers took 10-30 s at N = 256, and a bound reset to 10 s lost the next two calls."""
     answers_after = {"seconds": float("inf")}
 
     async def providers_from_peer(dht, peer, cid):
@@ -143,7 +146,14 @@ async def test_a_late_trusted_peer_gets_twice_the_time_at_each_call_until_it_ans
     answers_after["seconds"] = float("inf")
     start = trio.current_time()
     await discovery.find_role(n, key)
-    assert trio.current_time() - start == discovery.TRUSTED_TIMEOUT  # answered once: back to the first bound
+    assert trio.current_time() - start == 80.0  # its answers take 50 s: SRTT + 4 RTTVAR = 150 s, capped
+    answers_after["seconds"] = 0.5  # it answers fast again: the bound comes down to the floor
+    for _ in range(29):
+        assert [i.peer_id for i in await discovery.find_role(n, key)] == [TRAINER]
+    answers_after["seconds"] = float("inf")
+    start = trio.current_time()
+    await discovery.find_role(n, key)
+    assert trio.current_time() - start == discovery.TRUSTED_TIMEOUT
 
 
 async def test_a_record_given_at_once_does_not_reset_a_late_peers_lookup_backoff(monkeypatch, autojump_clock):
