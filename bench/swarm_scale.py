@@ -444,7 +444,7 @@ def samplers_main(args: argparse.Namespace) -> None:
         set_protocol, read_exactly, add_conn, remove_conn = (
             NetStream.set_protocol, yamux.read_exactly, Network.add_conn, Network.remove_conn)  # fmt: skip
         negotiate, inbound = Multiselect.negotiate, Counter()
-        new_stream, outbound = BasicHost.new_stream, Counter()
+        new_stream, outbound, origins = BasicHost.new_stream, Counter(), Counter()
         source: ContextVar[str] = ContextVar("source", default="other")  # which DHT job opened a stream (tasks
         # started inside a job copy its context, so its walk's streams carry its name)
         jobs = {(KadDHT, "provide"): "provide", (KadDHT, "find_providers"): "find providers",
@@ -514,6 +514,12 @@ def samplers_main(args: argparse.Namespace) -> None:
                 raise
             finally:
                 outbound[f"{source.get()}: {outcome} {protocols[0] if protocols else '?'}"] += 1
+                if source.get() == "other":  # by the tasks it was opened under, innermost first
+                    chain, task = [], trio.lowlevel.current_task()
+                    while task is not None and len(chain) < 6:
+                        chain.append(".".join(task.name.split(".")[-2:]))
+                        task = task.parent_nursery.parent_task if task.parent_nursery is not None else None
+                    origins[" < ".join(chain)] += 1
 
         async def adding(self: Any, *args: Any, **kwargs: Any) -> Any:
             conns["opened"] += 1
@@ -623,7 +629,7 @@ def samplers_main(args: argparse.Namespace) -> None:
             "lag_p50": pct(lags, 0.5), "lag_p99": pct(lags, 0.99), "leases": dict(sorted(leases.items())),
             "looks": dict(sorted(looks.items())),
             "tasks": steps.totals(), "streams": dict(streams.most_common()), "inbound": dict(inbound.most_common()),
-            "outbound": dict(outbound.most_common()),
+            "outbound": dict(outbound.most_common()), "outbound_origins": dict(origins.most_common(20)),
             "frames": dict(frames.most_common()),
             "connections": dict(conns), "gc": gc_time, "gc_objects": len(gc.get_objects()),
         })  # fmt: skip
