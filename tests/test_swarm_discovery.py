@@ -12,6 +12,7 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from multiaddr import Multiaddr
 
+from node import host
 from node.discovery import SamplerDiscovery, read_trainer_addrs
 from node.host import Swarm, bootstrap_peers, join_bootstrap, open_swarm
 from node.identity import load_or_create_key, peer_id_of
@@ -172,12 +173,12 @@ async def test_a_dial_given_no_deadline_takes_as_long_as_this_nodes_dials_take(a
     out is given twice as long the next time; one that answered sets the deadline (SRTT + 4 RTTVAR); a dial given
     its own deadline teaches nothing."""
     me = ID(b"\x01" * 34)
-    host = SimpleNamespace(get_id=lambda: me)
+    fake_host = SimpleNamespace(get_id=lambda: me)
 
     async def add_peer(peer: ID) -> None:
         return None
 
-    swarm = Swarm(host, SimpleNamespace(add_peer=add_peer), None, PeerGate(None), conns=SimpleNamespace())  # type: ignore[arg-type]
+    swarm = Swarm(fake_host, SimpleNamespace(add_peer=add_peer), None, PeerGate(None), conns=SimpleNamespace())  # type: ignore[arg-type]
     given: list[float] = []
 
     async def dial(info: PeerInfo, timeout: float) -> None:  # a handshake that takes 15 s here
@@ -194,6 +195,13 @@ async def test_a_dial_given_no_deadline_takes_as_long_as_this_nodes_dials_take(a
         await swarm.connect(peer, timeout=5.0)
     await swarm.connect(peer)
     assert given == [10.0, 20.0, 5.0, 15.0 + 4 * 7.5]
+
+
+def test_a_direct_dial_before_a_relay_is_tried_stretches_as_this_nodes_dials_do():
+    assert host.direct_wait(10.0, False, host.DIAL_TIMEOUT) == 2 * host.DIRECT_DIAL_TIMEOUT  # an idle node: 8 s
+    assert host.direct_wait(60.0, False, 3 * host.DIAL_TIMEOUT) == 3 * 2 * host.DIRECT_DIAL_TIMEOUT  # dials take 3x
+    assert host.direct_wait(20.0, False, 6 * host.DIAL_TIMEOUT) == 20.0  # never past the dial's own deadline
+    assert host.direct_wait(10.0, True, host.DIAL_TIMEOUT) == 10.0  # the trainer, a bootstrap node: no relay
 
 
 async def test_a_node_listed_in_its_own_bootstrap_list_is_a_bootstrap_node(tmp_path):
