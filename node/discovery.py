@@ -153,7 +153,7 @@ def trusted_clock(key: tuple[str, str, str]) -> AnswerClock:
     ``TRUSTED_TIMEOUT``, doubled after a call ran out, up to ``TRUSTED_TIMEOUT_MOST``). A fixed 10 s abandoned
     every answer of an overloaded bootstrap node, or of one reached from a loaded machine: at N = 256 on one box the
     samplers still searching timed out on 115 of 121 calls in a minute. A backoff that an answer reset to 10 s was
-    no better once answers took 10-30 s: the next two calls ran out again (133 of 167 a process-minute)."""
+    no better once answers took 10-30 s: the next two calls ran out again (133 of 168 in 8 process-minutes)."""
     clock = _clocks.get(key)
     if clock is None:
         if len(_clocks) >= 4096:
