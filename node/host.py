@@ -134,7 +134,8 @@ class Swarm:
         timing: AbstractContextManager[None] = nullcontext()
         if timeout is None:
             timeout = self.dial_clock.timeout()
-            timing = timed_by(self.dial_clock, timeout)
+            if info.peer_id not in self.host.get_connected_peers():  # no dial: nothing to learn
+                timing = timed_by(self.dial_clock, timeout)
         with timing:
             if self.reach is None:
                 await self._dial(info, timeout)

@@ -173,7 +173,8 @@ async def test_a_dial_given_no_deadline_takes_as_long_as_this_nodes_dials_take(a
     out is given twice as long the next time; one that answered sets the deadline (SRTT + 4 RTTVAR); a dial given
     its own deadline teaches nothing."""
     me = ID(b"\x01" * 34)
-    fake_host = SimpleNamespace(get_id=lambda: me)
+    connected: list[ID] = []
+    fake_host = SimpleNamespace(get_id=lambda: me, get_connected_peers=lambda: connected)
 
     async def add_peer(peer: ID) -> None:
         return None
@@ -195,6 +196,10 @@ async def test_a_dial_given_no_deadline_takes_as_long_as_this_nodes_dials_take(a
         await swarm.connect(peer, timeout=5.0)
     await swarm.connect(peer)
     assert given == [10.0, 20.0, 5.0, 15.0 + 4 * 7.5]
+    learned = (swarm.dial_clock.srtt, swarm.dial_clock.rttvar)
+    connected.append(peer.peer_id)  # connected already: a connect that dials nothing teaches nothing
+    await swarm.connect(peer)
+    assert (swarm.dial_clock.srtt, swarm.dial_clock.rttvar) == learned
 
 
 def test_a_direct_dial_before_a_relay_is_tried_stretches_as_this_nodes_dials_do():
