@@ -62,6 +62,13 @@ def node(connected: list[ID]) -> FakeNode:
     return FakeNode(FakeHost(connected), FakeDht(), frozenset({BOOT, OTHER_BOOT}))
 
 
+async def timed_lookup(n: FakeNode, key: str) -> tuple[list[PeerInfo], float]:
+    """``find_role``'s answer, and how long it took (trio's clock)."""
+    start = trio.current_time()
+    found = await discovery.find_role(n, key)
+    return found, trio.current_time() - start
+
+
 async def test_a_lookup_takes_the_trusted_peers_answer_without_walking_the_dht(monkeypatch):
     held = {BOOT: [PeerInfo(TRAINER, []), PeerInfo(ME, [])]}
     asked: list[ID] = []
@@ -97,9 +104,7 @@ async def test_a_trusted_peer_too_slow_to_answer_is_busy_not_empty_the_dht_is_no
     n = node([BOOT, OTHER_BOOT])
     key = discovery.role_key("s", "trainer")
     n.dht.records[discovery.dht_key(key)] = [PeerInfo(TRAINER, [])]
-    start = trio.current_time()
-    assert await discovery.find_role(n, key) == []
-    assert trio.current_time() - start == discovery.TRUSTED_TIMEOUT  # both asked at once, one bound
+    assert await timed_lookup(n, key) == ([], discovery.TRUSTED_TIMEOUT)  # both asked at once, one bound
     assert n.dht.walks == 0
 
 
@@ -135,25 +140,16 @@ async def test_a_late_trusted_peer_gets_twice_the_time_at_each_call_and_then_as_
     monkeypatch.setattr(discovery, "providers_from_peer", providers_from_peer)
     n = node([BOOT])
     key = discovery.role_key("s", "trainer")
-    took = []
-    for _ in range(5):
-        start = trio.current_time()
-        assert await discovery.find_role(n, key) == []
-        took.append(trio.current_time() - start)
-    assert took == [10.0, 20.0, 40.0, 80.0, 80.0]
+    assert [await timed_lookup(n, key) for _ in range(5)] == [([], t) for t in (10.0, 20.0, 40.0, 80.0, 80.0)]
     answers_after["seconds"] = 50.0  # it answers within its bound now
     assert [i.peer_id for i in await discovery.find_role(n, key)] == [TRAINER]
     answers_after["seconds"] = float("inf")
-    start = trio.current_time()
-    await discovery.find_role(n, key)
-    assert trio.current_time() - start == 80.0  # its answers take 50 s: SRTT + 4 RTTVAR = 150 s, capped
+    assert await timed_lookup(n, key) == ([], 80.0)  # its answers take 50 s: SRTT + 4 RTTVAR = 150 s, capped
     answers_after["seconds"] = 0.5  # it answers fast again: the bound comes down to the floor
     for _ in range(29):
         assert [i.peer_id for i in await discovery.find_role(n, key)] == [TRAINER]
     answers_after["seconds"] = float("inf")
-    start = trio.current_time()
-    await discovery.find_role(n, key)
-    assert trio.current_time() - start == discovery.TRUSTED_TIMEOUT
+    assert await timed_lookup(n, key) == ([], discovery.TRUSTED_TIMEOUT)
 
 
 async def test_a_record_given_at_once_does_not_reset_a_late_peers_lookup_backoff(monkeypatch, autojump_clock):
@@ -173,9 +169,7 @@ async def test_a_record_given_at_once_does_not_reset_a_late_peers_lookup_backoff
     key = discovery.role_key("s", "sampler")
     took = []
     for _ in range(3):
-        start = trio.current_time()
-        await discovery.find_role(n, key)
-        took.append(trio.current_time() - start)
+        took.append((await timed_lookup(n, key))[1])
         assert await discovery._provide_to_trusted(n, discovery.dht_key(key)) == 1  # taken at once
     assert took == [10.0, 20.0, 40.0]
 
