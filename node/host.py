@@ -397,14 +397,11 @@ def bootstrap_peers(swarm: Swarm, addrs: tuple[multiaddr.Multiaddr, ...]) -> tup
     return others, listed
 
 
-JOIN_DIAL = 10.0  # seconds a dial to a bootstrap peer may take at first (doubled after one runs out)
-
-
 async def join_bootstrap(swarm: Swarm, infos: list[PeerInfo], timeout: float) -> int:
     """Connect to every bootstrap peer we can; retry until ``timeout``; raise if none answered.
 
     Returns how many were reached. A node with no bootstrap peers is a swarm's first node. A dial may take
-    ``JOIN_DIAL`` seconds, twice as long after one ran out (``AnswerClock``: Karn's backoff), up to what is left:
+    ``DIAL_TIMEOUT`` seconds, twice as long after one ran out (``AnswerClock``: Karn's backoff), up to what is left:
     at a fixed 10 s, on a loaded box (N = 256, bench/swarm_scale) every handshake with the bootstrap node took
     longer, each was abandoned and begun again, and 6 samplers gave up after 60 s.
     """
@@ -412,7 +409,7 @@ async def join_bootstrap(swarm: Swarm, infos: list[PeerInfo], timeout: float) ->
         return 0
     errors: dict[str, str] = {}
     deadline = trio.current_time() + timeout
-    clock = AnswerClock(JOIN_DIAL, timeout)
+    clock = AnswerClock(DIAL_TIMEOUT, timeout)
     while True:
         reached = 0
         for info in infos:
