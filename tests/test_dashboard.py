@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from tests.helpers import start_bootstrap, start_sampler, start_trainer, wait_until
+from tests.helpers import below, start_bootstrap, start_sampler, start_trainer, wait_until
 
 CHROMIUM_FLAGS = [
     "--headless",
@@ -60,8 +60,16 @@ async def test_dashboard_shows_the_live_swarm_in_a_browser(tmp_path, tiny_model_
         )
         samplers = [await start_sampler(nursery, tmp_path, f"s{i}", boot, engine="torch") for i in range(2)]
         role = trainer.role
+        ledger = role.intake.ledger
         await wait_until(lambda: role.learner.steps >= 4, 300, what="4 training steps")
         await wait_until(lambda: len(role.view.reports) == 2, 60, what="both samplers' reports")
+        # a row shows accepted groups only once a sampler had one: four steps can all be one sampler's (CI, stop 48)
+        pids = [str(s.swarm.peer_id) for s in samplers]
+        await wait_until(
+            lambda: below({p: ledger.accepted_by_peer.get(p, 0) for p in pids}, 1, "accepted"),
+            300,
+            what="a group accepted from each sampler",
+        )
         url = role.status()["dashboard"]
         assert url.startswith("http://127.0.0.1:")
 
@@ -73,7 +81,9 @@ async def test_dashboard_shows_the_live_swarm_in_a_browser(tmp_path, tiny_model_
             assert row["role"] == "sampler" and row["engine"] == "torch/fp32/none"  # engine/compute/quant
             # the page's snapshot, taken before this read of the live ledger: the samplers go on meanwhile (idle9:
             # 136 shown, 144 by the time the ledger was read)
-            assert 0 < row["accepted"] <= role.intake.ledger.accepted_by_peer[str(s.swarm.peer_id)]
+            # two asserts: pytest evaluates every operand of a chained comparison, so a miss read as a KeyError
+            assert row["accepted"] > 0
+            assert row["accepted"] <= ledger.accepted_by_peer[str(s.swarm.peer_id)]
             assert 0 <= row["version"] <= role.learner.version and row["strikes"] == 0
             assert str(s.swarm.peer_id) in state["versions"]
         shown = [v for _, v in state["versions"]["trainer"]][-1]
