@@ -688,3 +688,109 @@ def test_room_for_a_provider_and_the_sample_of_an_answer_are_decided_by_pure_rul
     sample = answer_sample(list(range(10)), lambda p: p >= 8, 4, rng)
     assert len(sample) == 4 and set(sample[:2]) == {8, 9}
     assert answer_sample([1, 2], lambda p: False, 4, rng) in ([1, 2], [2, 1])
+
+
+class _SilentHost:
+    """Just what a routing table and its walks ask of a host; every stream opened to a peer waits forever (a
+    peer that never answers in time, as every one did for py-libp2p's own walks at N = 256, bench/swarm_scale)."""
+
+    def __init__(self) -> None:
+        from libp2p.peer.id import ID
+        from libp2p.peer.peerstore import PeerStore
+
+        self.me = ID.from_pubkey(create_new_key_pair().public_key)
+        self.store, self.opened = PeerStore(), 0
+
+    def get_id(self):
+        return self.me
+
+    def get_peerstore(self):
+        return self.store
+
+    def get_connected_peers(self) -> list:
+        return []
+
+    async def new_stream(self, peer, protocols):
+        self.opened += 1
+        await trio.sleep_forever()
+
+
+async def _silent_routing(peers: int = 120):
+    """A PeerRouting over a real routing table holding ``peers`` random peers (several buckets), none answering."""
+    from libp2p.kad_dht.peer_routing import PeerRouting
+    from libp2p.kad_dht.routing_table import RoutingTable
+    from libp2p.peer.id import ID
+
+    host = _SilentHost()
+    table = RoutingTable(host.me, host, max_peers_per_subnet=0)  # type: ignore[arg-type]
+    for _ in range(peers):
+        peer = ID.from_pubkey(create_new_key_pair().public_key)
+        addrs = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/4001")]
+        host.store.add_addrs(peer, addrs, 3600)
+        await table.add_peer(PeerInfo(peer, addrs), skip_server_mode_check=True)
+    return PeerRouting(host, table), host  # type: ignore[arg-type]
+
+
+def _count_walks(monkeypatch) -> list[bytes]:
+    """The target key of every walk (py-libp2p's own walk, unchanged by any patch), in order."""
+    from libp2p.kad_dht.peer_routing import PeerRouting
+
+    walks: list[bytes] = []
+    walk = PeerRouting.find_closest_peers_network
+
+    async def counted(self, target_key: bytes, count: int = 20):
+        walks.append(target_key)
+        return await walk(self, target_key, count)
+
+    monkeypatch.setattr(PeerRouting, "find_closest_peers_network", counted)
+    return walks
+
+
+async def test_stock_refresh_walks_every_bucket_when_no_peer_answers(monkeypatch, autojump_clock):
+    """No peer of the table answers: the stock refresh still walks for its own id and a key in every non-empty
+    bucket, each walk asking its closest peers again. Ours ends the round after the first walk."""
+    walks = _count_walks(monkeypatch)
+    with libp2p_patches.disabled():
+        routing, host = await _silent_routing()
+        buckets = sum(1 for b in routing.routing_table.buckets if b.size() > 0)
+        assert buckets >= 3
+        await routing.refresh_routing_table()
+        assert len(walks) == 1 + buckets and host.opened >= 2 * (1 + buckets)
+        stock_opened = host.opened
+    walks.clear()
+    libp2p_patches.apply()
+    routing, host = await _silent_routing()
+    await routing.refresh_routing_table()
+    assert walks == [host.me.to_bytes()]  # its own id, then the round ended
+    assert 0 < host.opened < stock_opened / 2
+
+
+async def test_a_refresh_round_walks_on_while_walks_are_answered_and_ends_at_the_first_that_is_not(
+    monkeypatch, autojump_clock
+):
+    from node.libp2p import routing as routing_mod
+
+    assert routing_mod.go_on(1) and not routing_mod.go_on(0)
+    libp2p_patches.apply()
+    walks = _count_walks(monkeypatch)
+    routing, host = await _silent_routing()
+    buckets = [b for b in routing.routing_table.buckets if b.size() > 0]
+    somebody = buckets[0].peer_ids()[0]
+
+    async def answers(self, peer, target_key: bytes):  # every peer answers: the table refreshes as upstream's
+        return [somebody]
+
+    monkeypatch.setattr(routing_mod, "_stock_query", answers)
+    await routing.refresh_routing_table()
+    assert len(walks) == 1 + len(buckets) and walks[0] == host.me.to_bytes()
+    assert [next(i for i, b in enumerate(buckets) if b.key_in_range(k)) for k in walks[1:]] == list(range(len(buckets)))
+
+    walks.clear()
+    second = buckets[1]
+
+    async def up_to_the_second_bucket(self, peer, target_key: bytes):  # the walk in the second bucket: no answer
+        return [] if second.key_in_range(target_key) else [somebody]
+
+    monkeypatch.setattr(routing_mod, "_stock_query", up_to_the_second_bucket)
+    await routing.refresh_routing_table()
+    assert len(walks) == 3 and second.key_in_range(walks[-1])

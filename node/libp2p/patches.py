@@ -1,4 +1,4 @@
-"""Every py-libp2p 0.8.1 fix, in one table (``PATCHES``), and the eight applied in place by ``apply()``.
+"""Every py-libp2p 0.8.1 fix, in one table (``PATCHES``), and the nine applied in place by ``apply()``.
 
 ``PATCHES`` names each fix: the upstream bug (``upstream``), the library code it replaces or overrides
 (``target``), ours (``ours``), the test that reproduces the bug on stock code (``test``) and the report ready to
@@ -130,6 +130,14 @@ how): many records per key, the oldest idle one replaced when full, each lookup 
 credits the sender whenever any window is owed, not once half the window is (go-yamux): a reader taking a frame at a
 time answers each data frame with a window update, a Noise message each way. Replaced by node/libp2p/credit.py
 (its docstring says how; the auto-tuning of the window is upstream's).
+
+9. a routing-table refresh that walks on when nobody answers (issue 29)
+-----------------------------------------------------------------------
+``PeerRouting.refresh_routing_table`` (kad_dht/peer_routing.py l. 477-524), at the DHT's start and every 600 s,
+walks for the node's own id and then for a random key in every non-empty bucket, each walk asking up to 20 peers
+under 10 s deadlines, whatever the walk before it met. Replaced by node/libp2p/routing.py (its docstring says how,
+and what it measured): the same walks, the round ending at the first walk no peer answered;
+``PeerRouting._query_peer_for_closest`` is wrapped to count the answers.
 """
 
 from __future__ import annotations
@@ -146,6 +154,7 @@ import trio
 from libp2p.abc import IMuxedConn
 from libp2p.host.autonat.autonat import AutoNATService
 from libp2p.host.basic_host import BasicHost
+from libp2p.kad_dht.peer_routing import PeerRouting
 from libp2p.kad_dht.provider_store import ProviderStore
 from libp2p.network.connection.exceptions import RawConnError
 from libp2p.network.connection.raw_connection import RawConnection
@@ -160,6 +169,7 @@ from node.libp2p.conns import LAST_READ, _handle_inbound_connection
 from node.libp2p.credit import credit_at_half_window
 from node.libp2p.nat import is_relayed_addr
 from node.libp2p.providers import add_provider, get_providers
+from node.libp2p.routing import count_answers, refresh_routing_table
 from node.libp2p.version import check_version
 
 log = logging.getLogger(__name__)
@@ -581,6 +591,22 @@ PATCHES: tuple[Patch, ...] = (
         "node/libp2p/providers.py get_providers (answer_sample decides)",
         _T + "test_stock_provider_store_keeps_the_first_twenty_providers_only",
         (ProviderStore, "get_providers", get_providers),
+    ),
+    Patch(
+        "dht-refresh-unanswered",
+        "the routing-table refresh walks for a key in every non-empty bucket even when no peer answered a walk before",
+        "libp2p.kad_dht.peer_routing.PeerRouting.refresh_routing_table",
+        "node/libp2p/routing.py refresh_routing_table (go_on decides)",
+        _T + "test_stock_refresh_walks_every_bucket_when_no_peer_answers",
+        (PeerRouting, "refresh_routing_table", refresh_routing_table),
+    ),
+    Patch(
+        "dht-refresh-unanswered",
+        "(the same bug: the half of the fix that counts a walk's answers)",
+        "libp2p.kad_dht.peer_routing.PeerRouting._query_peer_for_closest",
+        "node/libp2p/routing.py count_answers",
+        _T + "test_stock_refresh_walks_every_bucket_when_no_peer_answers",
+        (PeerRouting, "_query_peer_for_closest", count_answers),
     ),
     Patch(
         "dial-one-address",
