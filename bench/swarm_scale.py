@@ -567,7 +567,19 @@ def samplers_main(args: argparse.Namespace) -> None:
             return wrapper
 
         timing_lease = timed(lease, leases, "", "answered")  # each work request
-        timing_connect = timed(connect, looks, "dial ", "connected")  # each dial
+        timed_connect = timed(connect, looks, "dial ", "connected")  # each dial
+        names_of = {str(sw.peer_id): n for n, sw in swarms.items()}
+        failed_dials: dict[str, list[str]] = {}  # identity -> its last failed dials: whom, how, after how long
+
+        async def timing_connect(self: Any, info: Any, *a: Any, **kw: Any) -> Any:
+            t = time.monotonic()
+            try:
+                return await timed_connect(self, info, *a, **kw)
+            except BaseException as exc:
+                whom = "trainer" if info.peer_id == trainer_id else names_of.get(str(info.peer_id), "bootstrap?")
+                said = f"{whom}: {type(exc).__name__} {str(exc)[:160]} after {time.monotonic() - t:.1f} s"
+                failed_dials.setdefault(names_of.get(str(self.peer_id), "?"), []).append(said)
+                raise
 
         async def timing_find(swarm: Any, key: str, *a: Any, **kw: Any) -> Any:  # each role lookup: what it found
             t, found = time.monotonic(), None
@@ -623,6 +635,12 @@ def samplers_main(args: argparse.Namespace) -> None:
             live[task.name] += 1
             todo.extend(child for nursery in task.child_nurseries for child in nursery.child_tasks)
         lags = sorted(window_lag.samples)
+        stuck = {}  # identities without the trainer at the window's end: where each of their tasks waits
+        for task in nursery_ref[0].child_tasks:
+            config = getattr(task.coro, "cr_frame", None) and task.coro.cr_frame.f_locals.get("config")
+            name = getattr(getattr(config, "data_dir", None), "name", None)
+            if name in roles and not roles[name].discovery.trainer_found.is_set():
+                stuck[name] = {"waits": awaiting(task), "failed_dials": failed_dials.get(name, [])[-4:]}
         write_json(root / f"profile-{args.first}.json", {
             "seconds": seconds, "identities": len(names), "loop_cpu": time.thread_time() - t0,
             "live_tasks": dict(live.most_common(12)), "tasks_alive": sum(live.values()),
@@ -631,7 +649,7 @@ def samplers_main(args: argparse.Namespace) -> None:
             "tasks": steps.totals(), "streams": dict(streams.most_common()), "inbound": dict(inbound.most_common()),
             "outbound": dict(outbound.most_common()), "outbound_origins": dict(origins.most_common(20)),
             "frames": dict(frames.most_common()),
-            "connections": dict(conns), "gc": gc_time, "gc_objects": len(gc.get_objects()),
+            "connections": dict(conns), "gc": gc_time, "gc_objects": len(gc.get_objects()), "stuck": stuck,
         })  # fmt: skip
 
     nursery_ref: list[Any] = []
@@ -652,6 +670,26 @@ def samplers_main(args: argparse.Namespace) -> None:
 
     quiet_gc()  # what `swarmrl node` does before its loop runs
     trio.run(main)
+
+
+def awaiting(root: Any) -> dict[str, int]:
+    """Where every task under ``root`` waits, by its innermost three frames outside trio (a stack dump of a
+    node's tasks)."""
+    waits: Counter = Counter()
+    todo = [root]
+    while todo:
+        task = todo.pop()
+        todo.extend(child for nursery in task.child_nurseries for child in nursery.child_tasks)
+        frames, coro = [], task.coro
+        while coro is not None:
+            frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+            if frame is None:
+                break
+            if "/trio/" not in frame.f_code.co_filename:
+                frames.append(f"{Path(frame.f_code.co_filename).stem}.{frame.f_code.co_name}:{frame.f_lineno}")
+            coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+        waits[f"{task.name.rsplit('.', 1)[-1]} @ {' > '.join(frames[-3:])}"] += 1
+    return dict(waits.most_common())
 
 
 # -- the orchestrator ------------------------------------------------------------------------------------------------
