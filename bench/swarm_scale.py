@@ -107,6 +107,11 @@ def boot_main(args: argparse.Namespace) -> None:
             # cover N (a bootstrap node at the default 250 hangs up on its idlest peers, who come back later)
             boot = await start_bootstrap(nursery, Path(args.root), max_inbound=max(250, args.count + 64))
             (Path(args.root) / "boot.addr").write_text(str(boot.swarm.addrs()[0]))
+            probe = LagProbe()  # every newcomer's first peer and the lookups' trusted peer: is its loop late?
+            nursery.start_soon(probe.run)
+            while True:
+                await trio.sleep(2.0)
+                write_json(Path(args.root) / "boot.json", {"time": time.time(), "lag": probe.take()})
 
     quiet_gc()  # what `swarmrl node` does before its loop runs
     trio.run(main)
@@ -602,7 +607,8 @@ def samplers_main(args: argparse.Namespace) -> None:
                 outcome = type(exc).__name__
                 raise
             finally:
-                looks[f"trusted peer {outcome} in {within(time.monotonic() - t)} s"] += 1
+                who = "trainer" if peer == trainer_id else "bootstrap"
+                looks[f"trusted peer ({who}) {outcome} in {within(time.monotonic() - t)} s"] += 1
 
         NodeSwarm.connect, discovery.find_role = timing_connect, timing_find  # type: ignore[method-assign]
         discovery.providers_from_peer = timing_asked  # type: ignore[assignment]
@@ -744,6 +750,13 @@ class Run:
     def trainer(self) -> dict[str, Any]:
         return json.loads((self.root / "trainer.json").read_text())
 
+    def boot_lag(self) -> list[float]:
+        """The bootstrap node's loop lag samples of the last 2 s (its process writes them); [] if unreadable."""
+        try:
+            return json.loads((self.root / "boot.json").read_text())["lag"]
+        except (OSError, ValueError, KeyError):
+            return []
+
     def boot_status(self) -> dict[str, Any]:
         """The bootstrap node's status.json (written every second by local_swarm's nodes); {} if unreadable."""
         try:
@@ -812,10 +825,12 @@ def measure(run: Run, window: float) -> dict[str, Any]:
     lags: list[float] = []
     finds: list[dict[str, float]] = []
     proc_lags: list[float] = []
+    boot_lags: list[float] = []
     start = time.time()
     while time.time() - start < window:
         time.sleep(2.0)
         lags += run.trainer()["lag"]
+        boot_lags += run.boot_lag()
         for d in run.samplers()[1]:
             proc_lags += d["lag"]
             finds += d["finds"]
@@ -870,6 +885,8 @@ def measure(run: Run, window: float) -> dict[str, Any]:
         "lag_p99_ms": pct(lags, 0.99) * 1e3,
         "lag_max_ms": max(lags, default=float("nan")) * 1e3,
         "sampler_lag_p99_ms": pct(proc_lags, 0.99) * 1e3,
+        "boot_lag_p50_ms": pct(boot_lags, 0.5) * 1e3,
+        "boot_lag_p99_ms": pct(boot_lags, 0.99) * 1e3,
         "machine_busy": busy / total * os.cpu_count(),
         "cores": os.cpu_count(),
         "swarm_cores": (trainer_cpu + sampler_cpu + sum(cpu_b[k] - cpu_a.get(k, 0) for k in ("boot",))) / dt,
@@ -1001,7 +1018,9 @@ def report_line(r: dict[str, Any]) -> str:
         f"lag p50/p99/max {r['lag_p50_ms']:.0f}/{r['lag_p99_ms']:.0f}/{r['lag_max_ms']:.0f} ms, "
         f"{r['trainer_connections']} conns, RSS {r['trainer_rss_mb']:.0f} MB | samplers {r['sampler_cores']:.2f} "
         f"cores, {r.get('gossip_per_sampler_s', float('nan')):.1f} gossip msgs/s each "
-        f"({r['sampler_cpu_per_group'] * 1e3:.0f} ms CPU/group), loop lag p99 {r['sampler_lag_p99_ms']:.0f} ms; "
+        f"({r['sampler_cpu_per_group'] * 1e3:.0f} ms CPU/group), loop lag p99 {r['sampler_lag_p99_ms']:.0f} ms | "
+        f"bootstrap loop lag p50/p99 {r.get('boot_lag_p50_ms', float('nan')):.0f}/"
+        f"{r.get('boot_lag_p99_ms', float('nan')):.0f} ms; "
         f"machine busy {r['machine_busy']:.2f}/{r['cores']} cores, this swarm's share {r['swarm_cores']:.2f} "
         f"| version heard 50/99% {r['announce_50_s']:.1f}/{r['announce_99_s']:.1f} s, "
         f"installed 50/99% {r['install_50_s']:.1f}/{r['install_99_s']:.1f} s | DHT find trainer "
