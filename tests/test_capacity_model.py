@@ -71,3 +71,32 @@ def test_task_steps_charges_each_task_its_own_cpu():
     assert totals["busy"][0] >= 0.09 and totals["busy"][1] >= 5
     assert totals["idle"][0] < 0.01
     assert next(iter(totals)) == "busy"  # sorted by CPU, most first
+
+
+def test_awaiting_says_where_each_task_of_a_tree_waits_in_its_own_code():
+    """--profile's stack dump of a stuck node: every task under the root, by its innermost frames outside trio."""
+    import trio
+    import trio.testing
+
+    from bench.swarm_scale import awaiting
+
+    async def dialling() -> None:
+        await trio.sleep_forever()
+
+    async def node() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(dialling, name="dial")
+            nursery.start_soon(dialling, name="dial")
+            await trio.sleep_forever()
+
+    async def main() -> dict[str, int]:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(node, name="node")
+            await trio.testing.wait_all_tasks_blocked()
+            waits = awaiting(next(iter(nursery.child_tasks)))
+            nursery.cancel_scope.cancel()
+        return waits
+
+    waits = trio.run(main)
+    by_place = {where.split(":")[0]: n for where, n in waits.items()}  # without the line numbers
+    assert by_place == {"dial @ test_capacity_model.dialling": 2, "node @ test_capacity_model.node": 1}
