@@ -794,3 +794,23 @@ async def test_a_refresh_round_walks_on_while_walks_are_answered_and_ends_at_the
     monkeypatch.setattr(routing_mod, "_stock_query", up_to_the_second_bucket)
     await routing.refresh_routing_table()
     assert len(walks) == 3 and second.key_in_range(walks[-1])
+
+
+async def test_a_refresh_walk_that_finds_a_peer_the_peerstore_does_not_hold_goes_on(monkeypatch, autojump_clock):
+    """py-libp2p's peerstore raises for a peer it holds no record of: one such peer in a walk's answer must not end
+    the round (nor the DHT's maintenance loop) with an exception."""
+    from libp2p.peer.id import ID
+
+    from node.libp2p import routing as routing_mod
+
+    libp2p_patches.apply()
+    walks = _count_walks(monkeypatch)
+    routing, _ = await _silent_routing()
+    stranger = ID.from_pubkey(create_new_key_pair().public_key)  # named by an answer, in no peerstore
+
+    async def answers(self, peer, target_key: bytes):
+        return [stranger]
+
+    monkeypatch.setattr(routing_mod, "_stock_query", answers)
+    await routing.refresh_routing_table()
+    assert len(walks) == 1 + sum(1 for b in routing.routing_table.buckets if b.size() > 0)

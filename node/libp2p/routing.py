@@ -62,21 +62,23 @@ async def answered_walk(routing: PeerRouting, key: bytes) -> int:
         _answers.reset(token)
     store = routing.host.get_peerstore()
     for peer in found:
-        if addrs := store.addrs(peer):
-            try:
+        try:  # the peerstore raises for a peer it does not hold
+            if addrs := store.addrs(peer):
                 await routing.routing_table.add_peer(PeerInfo(peer, addrs))
-            except Exception as exc:  # upstream's refresh logs and goes on too
-                log.debug("refresh: adding %s failed: %s", peer, exc)
+        except Exception as exc:  # upstream's refresh logs and goes on too
+            log.debug("refresh: adding %s failed: %s", peer, exc)
     return len(tally)
 
 
 async def refresh_routing_table(self: PeerRouting) -> None:
     """``PeerRouting.refresh_routing_table``: upstream's walks (own id, then a random key per non-empty bucket),
     ending the round at the first walk no peer answered."""
-    keys = [self.host.get_id().to_bytes()]
-    keys += [gen_random_key_in_bucket(b) for b in self.routing_table.buckets if b.size() > 0]
+    if not go_on(await answered_walk(self, self.host.get_id().to_bytes())):
+        log.debug("routing-table refresh: the walk for our own id was answered by no peer; the round ends")
+        return
+    # the buckets as the first walk left them (it may have split some), as upstream takes them
+    keys = [gen_random_key_in_bucket(b) for b in self.routing_table.buckets if b.size() > 0]
     for i, key in enumerate(keys):
-        answered = await answered_walk(self, key)
-        if not go_on(answered):
-            log.debug("routing-table refresh: walk %d of %d answered by no peer; the round ends", i + 1, len(keys))
+        if not go_on(await answered_walk(self, key)):
+            log.debug("routing-table refresh: bucket walk %d of %d answered by none; round ended", i + 1, len(keys))
             return
