@@ -11,7 +11,9 @@ negotiation on a loaded peer.
 
 Here a round walks as upstream does (its own id first: that walk keeps the node findable), and it ends after a walk
 in which no query was answered (``go_on``). The next round, one interval later, tries again. A healthy table
-refreshes exactly as before; an unreachable one costs one walk a round, not one per bucket. go-libp2p-kad-dht's
+refreshes exactly as before; an unreachable one costs one walk a round, not one per bucket. At N = 256 (three runs)
+the refresh's cancelled opens fell to 0.022-0.025 a second per host, and the swarm accepted 1.47-1.82 groups/s
+against 0.79-1.39 in the four runs before (docs/capacity.md). go-libp2p-kad-dht's
 refresh manager also skips a bucket that a lookup covered within the interval. That does not carry over here:
 py-libp2p walks other lookups under keys that land in no bucket's range.
 
