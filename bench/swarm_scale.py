@@ -109,12 +109,58 @@ def boot_main(args: argparse.Namespace) -> None:
             (Path(args.root) / "boot.addr").write_text(str(boot.swarm.addrs()[0]))
             probe = LagProbe()  # every newcomer's first peer and the lookups' trusted peer: is its loop late?
             nursery.start_soon(probe.run)
+            stages = trace_dht_serving()
             while True:
                 await trio.sleep(2.0)
-                write_json(Path(args.root) / "boot.json", {"time": time.time(), "lag": probe.take()})
+                write_json(Path(args.root) / "boot.json", {"time": time.time(), "lag": probe.take(), "dht": stages})
 
     quiet_gc()  # what `swarmrl node` does before its loop runs
     trio.run(main)
+
+
+def trace_dht_serving() -> dict[str, dict[str, int]]:
+    """How long each stage of serving an inbound DHT stream takes in this process (the bootstrap node's): the
+    stream's protocol negotiation, the wait for its first request once negotiated, and py-libp2p's handler (the
+    answer, and up to ``DHT_IDLE_SECONDS`` for a next request). Counts by stage and duration, updated in place."""
+    from libp2p.kad_dht.kad_dht import KadDHT
+    from libp2p.protocol_muxer.multiselect import Multiselect
+
+    import node.host as node_host
+
+    stages: dict[str, dict[str, int]] = {}
+    negotiate, first, handle = Multiselect.negotiate, node_host._DhtStream.first_request, KadDHT.handle_stream
+
+    def count(stage: str, took: float) -> None:
+        label = next((f"<{b}" for b in (0.1, 1, 5, 10, 30) if took < b), ">=30")
+        stages.setdefault(stage, {})[label] = stages.get(stage, {}).get(label, 0) + 1
+
+    async def negotiating(self: Any, *a: Any, **kw: Any) -> Any:
+        t, outcome = time.monotonic(), "failed"
+        try:
+            protocol, handler = await negotiate(self, *a, **kw)
+            outcome = str(protocol)
+            return protocol, handler
+        finally:
+            if outcome in ("failed", "/ipfs/kad/1.0.0"):
+                count(f"negotiation {outcome}", time.monotonic() - t)
+
+    async def first_request(self: Any) -> bool:
+        t = time.monotonic()
+        got = await first(self)
+        count(f"first request {'read' if got else 'none'}", time.monotonic() - t)
+        return got
+
+    async def handling(self: Any, stream: Any) -> None:
+        t = time.monotonic()
+        try:
+            await handle(self, stream)
+        finally:
+            count("handler", time.monotonic() - t)
+
+    Multiselect.negotiate = negotiating  # type: ignore[method-assign]
+    node_host._DhtStream.first_request = first_request  # type: ignore[method-assign]
+    KadDHT.handle_stream = handling  # type: ignore[method-assign]
+    return stages
 
 
 class LagProbe:
