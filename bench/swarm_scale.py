@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -131,7 +132,7 @@ def trace_dht_serving() -> dict[str, dict[str, int]]:
     negotiate, first, handle = Multiselect.negotiate, node_host._DhtStream.first_request, KadDHT.handle_stream
 
     def count(stage: str, took: float) -> None:
-        label = next((f"<{b}" for b in (0.1, 1, 5, 10, 30) if took < b), ">=30")
+        label = within(took, (0.1, 1, 5, 10, 30))
         stages.setdefault(stage, {})[label] = stages.get(stage, {}).get(label, 0) + 1
 
     async def negotiating(self: Any, *a: Any, **kw: Any) -> Any:
@@ -599,9 +600,6 @@ def samplers_main(args: argparse.Namespace) -> None:
         lease, connect, find_role = TrainerClient.lease, NodeSwarm.connect, discovery.find_role
         leases, looks = Counter(), Counter()
 
-        def within(took: float) -> str:
-            return next((f"<{b}" for b in (1, 5, 10, 30) if took < b), ">=30")
-
         def timed(call: Any, counts: Counter, label: str, ok: str) -> Any:
             """``call``, counting each of its calls in ``counts`` by how it ended and how long it took."""
 
@@ -680,12 +678,8 @@ def samplers_main(args: argparse.Namespace) -> None:
         Network.add_conn, Network.remove_conn = add_conn, remove_conn  # type: ignore[method-assign]
         for (cls, attr), call in unwrapped.items():
             setattr(cls, attr, call)
-        live: Counter = Counter()  # the tasks alive at the window's end, by name: what waits (a backlog shows here)
-        todo = [trio.lowlevel.current_root_task()]
-        while todo:
-            task = todo.pop()
-            live[task.name] += 1
-            todo.extend(child for nursery in task.child_nurseries for child in nursery.child_tasks)
+        # the tasks alive at the window's end, by name: what waits (a backlog shows here)
+        live: Counter = Counter(task.name for task in task_tree(trio.lowlevel.current_root_task()))
         lags = sorted(window_lag.samples)
         stuck = {}  # identities without the trainer at the window's end: where each of their tasks waits
         for task in nursery_ref[0].child_tasks:
@@ -724,14 +718,25 @@ def samplers_main(args: argparse.Namespace) -> None:
     trio.run(main)
 
 
+def within(took: float, bounds: tuple[float, ...] = (1, 5, 10, 30)) -> str:
+    """A duration's bucket label: "<b" for the first bound above it, else ">=" the last."""
+    return next((f"<{b}" for b in bounds if took < b), f">={bounds[-1]}")
+
+
+def task_tree(root: Any) -> Iterator[Any]:
+    """``root`` and every trio task under it."""
+    todo = [root]
+    while todo:
+        task = todo.pop()
+        yield task
+        todo.extend(child for nursery in task.child_nurseries for child in nursery.child_tasks)
+
+
 def awaiting(root: Any) -> dict[str, int]:
     """Where every task under ``root`` waits, by its innermost three frames outside trio (a stack dump of a
     node's tasks)."""
     waits: Counter = Counter()
-    todo = [root]
-    while todo:
-        task = todo.pop()
-        todo.extend(child for nursery in task.child_nurseries for child in nursery.child_tasks)
+    for task in task_tree(root):
         frames, coro = [], task.coro
         while coro is not None:
             frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
