@@ -122,7 +122,9 @@ def boot_main(args: argparse.Namespace) -> None:
 def trace_dht_serving() -> dict[str, dict[str, int]]:
     """How long each stage of serving an inbound DHT stream takes in this process (the bootstrap node's): the
     stream's protocol negotiation, the wait for its first request once negotiated, and py-libp2p's handler (the
-    answer, and up to ``DHT_IDLE_SECONDS`` for a next request). Counts by stage and duration, updated in place."""
+    answer, and up to ``DHT_IDLE_SECONDS`` for a next request). Counts by stage and duration, updated in place;
+    streams whose request was read are counted again by the request's type ("by GET_PROVIDERS: ..."): our lookups
+    ask the bootstrap node GET_PROVIDERS, py-libp2p's walks mostly FIND_NODE."""
     from libp2p.kad_dht.kad_dht import KadDHT
     from libp2p.protocol_muxer.multiselect import Multiselect
 
@@ -135,20 +137,31 @@ def trace_dht_serving() -> dict[str, dict[str, int]]:
         label = within(took, (0.1, 1, 5, 10, 30))
         stages.setdefault(stage, {})[label] = stages.get(stage, {}).get(label, 0) + 1
 
-    async def negotiating(self: Any, *a: Any, **kw: Any) -> Any:
+    types = {0: "PUT_VALUE", 1: "GET_VALUE", 2: "ADD_PROVIDER", 3: "GET_PROVIDERS", 4: "FIND_NODE", 5: "PING"}
+
+    async def negotiating(self: Any, communicator: Any, *a: Any, **kw: Any) -> Any:
         t, outcome = time.monotonic(), "failed"
         try:
-            protocol, handler = await negotiate(self, *a, **kw)
+            protocol, handler = await negotiate(self, communicator, *a, **kw)
             outcome = str(protocol)
             return protocol, handler
         finally:
             if outcome in ("failed", "/ipfs/kad/1.0.0"):
                 count(f"negotiation {outcome}", time.monotonic() - t)
+                communicator.read_writer.negotiated_in = time.monotonic() - t
 
     async def first_request(self: Any) -> bool:
         t = time.monotonic()
         got = await first(self)
         count(f"first request {'read' if got else 'none'}", time.monotonic() - t)
+        if got:  # the message's type: its field 1 (tag 0x08) comes first after the length varint
+            body = self._first[next((i for i, b in enumerate(self._first) if b < 0x80), len(self._first)) + 1 :]
+            # py-libp2p writes the length and the message apart: its own requests show here as length only
+            self.kind = (types.get(body[1], "?") if body[:1] == b"\x08" and len(body) > 1
+                         else "PUT_VALUE" if body else "length only")  # fmt: skip
+            if hasattr(self._stream, "negotiated_in"):
+                count(f"by {self.kind}: negotiation", self._stream.negotiated_in)
+            count(f"by {self.kind}: first request", time.monotonic() - t)
         return got
 
     async def handling(self: Any, stream: Any) -> None:
@@ -157,6 +170,7 @@ def trace_dht_serving() -> dict[str, dict[str, int]]:
             await handle(self, stream)
         finally:
             count("handler", time.monotonic() - t)
+            count(f"by {getattr(stream, 'kind', '?')}: handler", time.monotonic() - t)
 
     Multiselect.negotiate = negotiating  # type: ignore[method-assign]
     node_host._DhtStream.first_request = first_request  # type: ignore[method-assign]
@@ -545,9 +559,12 @@ def samplers_main(args: argparse.Namespace) -> None:
             task.name = f"inbound {protocol}"
             return protocol, handler
 
+        frames_on: Counter = Counter()  # frame headers read, by connection (id of its secure session)
+
         async def reading(conn: Any, n: int) -> bytes:  # every yamux frame header read, by type and flags
             data = await read_exactly(conn, n)
             if n == yamux.HEADER_SIZE:
+                frames_on[id(conn)] += 1
                 _, typ, flag, _, length = struct.unpack(yamux.YAMUX_HEADER_FORMAT, data)
                 named = "+".join(name for bit, name in flags if flag & bit)
                 frames[
@@ -593,7 +610,10 @@ def samplers_main(args: argparse.Namespace) -> None:
             entry[1] += 1
             entry[2] += info.get("collected", 0)
 
+        from libp2p.kad_dht.common import PROTOCOL_ID as KAD_PROTOCOL
+
         import node.discovery as discovery
+        from node import rpc
         from node.host import Swarm as NodeSwarm
         from node.roles.trainer_rpc import TrainerClient
 
@@ -654,6 +674,19 @@ def samplers_main(args: argparse.Namespace) -> None:
                 who = "trainer" if peer == trainer_id else "bootstrap"
                 looks[f"trusted peer ({who}) {outcome} in {within(time.monotonic() - t)} s"] += 1
 
+        asks, slow_asks = Counter(), Counter()  # each DHT request on a lazy stream to a trusted peer, by stage
+        open_lazy = rpc.open_stream
+
+        async def opening_lazy(host: Any, peer: Any, protocol: str) -> Any:
+            who = "trainer" if peer == trainer_id else "bootstrap" if str(peer) not in names_of else ""
+            if protocol != KAD_PROTOCOL or not who:
+                return await open_lazy(host, peer, protocol)
+            t = time.monotonic()
+            stream = await open_lazy(host, peer, protocol)
+            asks[f"{who} open in {within(time.monotonic() - t)} s"] += 1
+            return TimedAsk(stream, who, asks, slow_asks, frames_on)
+
+        rpc.open_stream = opening_lazy  # type: ignore[assignment]
         NodeSwarm.connect, discovery.find_role = timing_connect, timing_find  # type: ignore[method-assign]
         discovery.providers_from_peer = timing_asked  # type: ignore[assignment]
         TrainerClient.lease = timing_lease  # type: ignore[method-assign]
@@ -673,6 +706,7 @@ def samplers_main(args: argparse.Namespace) -> None:
         TrainerClient.lease = lease  # type: ignore[method-assign]
         NodeSwarm.connect, discovery.find_role = connect, find_role  # type: ignore[method-assign]
         discovery.providers_from_peer = asked  # type: ignore[assignment]
+        rpc.open_stream = open_lazy  # type: ignore[assignment]
         NetStream.set_protocol, yamux.read_exactly = set_protocol, read_exactly  # type: ignore[method-assign]
         Multiselect.negotiate, BasicHost.new_stream = negotiate, new_stream  # type: ignore[method-assign]
         Network.add_conn, Network.remove_conn = add_conn, remove_conn  # type: ignore[method-assign]
@@ -691,7 +725,8 @@ def samplers_main(args: argparse.Namespace) -> None:
             "seconds": seconds, "identities": len(names), "loop_cpu": time.thread_time() - t0,
             "live_tasks": dict(live.most_common(12)), "tasks_alive": sum(live.values()),
             "lag_p50": pct(lags, 0.5), "lag_p99": pct(lags, 0.99), "leases": dict(sorted(leases.items())),
-            "looks": dict(sorted(looks.items())),
+            "looks": dict(sorted(looks.items())), "asks": dict(sorted(asks.items())),
+            "slow_asks": dict(slow_asks.most_common()),
             "tasks": steps.totals(), "streams": dict(streams.most_common()), "inbound": dict(inbound.most_common()),
             "outbound": dict(outbound.most_common()), "outbound_origins": dict(origins.most_common(20)),
             "frames": dict(frames.most_common()),
@@ -716,6 +751,58 @@ def samplers_main(args: argparse.Namespace) -> None:
 
     quiet_gc()  # what `swarmrl node` does before its loop runs
     trio.run(main)
+
+
+class TimedAsk:
+    """A lazy DHT stream to a trusted peer (node/libp2p/access.py ``_kad_request``), timing its request's write and
+    the wait for its answer's first bytes into ``asks``. An answer that took 5 s or more, or none, is described in
+    ``slow_asks``: how many yamux frames its connection read meanwhile (none: the connection, not the peer, was
+    stalled), and whether bytes for it lay unread in its buffer at the end (the reading task was not woken)."""
+
+    def __init__(self, stream: Any, who: str, asks: Counter, slow_asks: Counter, frames_on: Counter) -> None:
+        self._stream, self._who, self._asks, self._slow, self._frames_on = stream, who, asks, slow_asks, frames_on
+        self._asked: float | None = None  # when the request was written
+        self._frames = 0  # the connection's frame count then
+        self._reading = self._answered = False  # a provide writes and closes: never read, not an ask
+
+    def _muxed(self) -> tuple[Any, Any]:
+        muxed = self._stream._stream.muxed_stream
+        return muxed, muxed.muxed_conn
+
+    async def write(self, data: bytes) -> None:
+        t = time.monotonic()
+        await self._stream.write(data)
+        self._asked = time.monotonic()
+        self._asks[f"{self._who} request written in {within(self._asked - t)} s"] += 1
+        self._frames = self._frames_on[id(self._muxed()[1].secured_conn)]
+
+    async def read(self, n: int | None = None) -> bytes:
+        self._reading = True
+        data = await self._stream.read(n)
+        if not self._answered and self._asked is not None:
+            self._answered = True
+            waited = time.monotonic() - self._asked
+            self._asks[f"{self._who} answered in {within(waited)} s"] += 1
+            if waited >= 5:
+                self._describe(f"answered after {within(waited)} s")
+        return data
+
+    def _describe(self, outcome: str) -> None:
+        muxed, conn = self._muxed()
+        read = self._frames_on[id(conn.secured_conn)] - self._frames
+        buffered = len(conn.stream_buffers.get(muxed.stream_id, b""))
+        state = "reset" if muxed.reset_received else "ended" if muxed.recv_closed else "open"
+        self._slow[f"{self._who} {outcome}: connection read {within(read, (1, 10, 100))} frames meanwhile, "
+                   f"{'bytes' if buffered else 'nothing'} unread, stream {state}"] += 1  # fmt: skip
+
+    async def close(self) -> None:
+        if self._asked is not None and self._reading and not self._answered:
+            self._asks[f"{self._who} not answered, closed after {within(time.monotonic() - self._asked)} s"] += 1
+            self._describe("not answered")
+        await self._stream.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 def within(took: float, bounds: tuple[float, ...] = (1, 5, 10, 30)) -> str:
@@ -1041,6 +1128,10 @@ def profile_lines(p: dict[str, Any], top: int = 15, title: str = "profile-0") ->
         lines.append(f"  {count / secs / n:6.3f} connections {what}/s per host")
     if p.get("looks"):
         lines.append("  dials and role lookups: " + ", ".join(f"{k} {v}" for k, v in p["looks"].items()))
+    if p.get("asks"):
+        lines.append("  DHT requests to trusted peers: " + ", ".join(f"{k} {v}" for k, v in p["asks"].items()))
+    for what, count in p.get("slow_asks", {}).items():
+        lines.append(f"  {count:6d} slow: {what}")
     if p.get("leases"):
         lines.append("  work requests: " + ", ".join(f"{k} {v}" for k, v in p["leases"].items()))
     for task, count in p.get("live_tasks", {}).items():
