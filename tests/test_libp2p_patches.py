@@ -14,6 +14,7 @@ import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.network.connection.exceptions import RawConnError
+from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.network.swarm import Swarm
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.stream_muxer.yamux import yamux as yamux_module
@@ -366,6 +367,109 @@ async def test_stock_yamux_loses_the_connection_when_a_write_is_cancelled():
 async def test_patched_yamux_finishes_a_cancelled_write_and_keeps_the_connection():
     alive, answer = await cancelled_write_then_echo()
     assert alive and answer == b"ping"
+
+
+# -- 1c. a cancelled close -----------------------------------------------------------------------------------------
+ASK = "/swarmrl-test/ask/1"
+
+
+async def questions_given_up(count: int = 3) -> tuple[int, int, list[bool]]:
+    """A asks B ``count`` questions at once, the way py-libp2p's DHT does (``finally: await stream.close()``), and
+    gives up on each (its scope cancelled) once B has read it; B answers late, waits for A's end of the stream, and
+    ends its own. Returns, once A has read B's ends: A's backlog slots still taken on the connection, A's streams
+    still counted on it, and whether each of B's handlers saw A's end (its FIN)."""
+    a, b = build_host(create_new_key_pair()), build_host(create_new_key_pair())
+    asked, given_up, answered = trio.Event(), trio.Event(), trio.Event()
+    saw_end: list[bool] = []
+    read = [0]
+
+    async def answer_late(stream) -> None:
+        await stream.read(64)
+        read[0] += 1
+        if read[0] == count:
+            asked.set()
+        await given_up.wait()
+        await stream.write(b"late")
+        saw = False
+        with trio.move_on_after(5):
+            try:
+                saw = await stream.read(64) == b""
+            except StreamEOF:
+                saw = True
+        saw_end.append(saw)
+        await stream.close()
+        if len(saw_end) == count:
+            answered.set()
+
+    b.set_stream_handler(ASK, answer_late)
+    with trio.fail_after(30):
+        async with a.run([LISTEN]), b.run([LISTEN]):
+            await a.connect(info(b))
+            conn = a.get_network().get_connections(b.get_id())[0]
+            scopes = [trio.CancelScope() for _ in range(count)]
+
+            async def ask(scope: trio.CancelScope) -> None:
+                with scope:
+                    stream = await a.new_stream(b.get_id(), [ASK])
+                    try:
+                        await stream.write(b"question")
+                        await stream.read(64)
+                    finally:
+                        await stream.close()
+
+            async with trio.open_nursery() as nursery:
+                for scope in scopes:
+                    nursery.start_soon(ask, scope)
+                await asked.wait()
+                for scope in scopes:
+                    scope.cancel()
+            given_up.set()
+            await answered.wait()
+            while not all(s.recv_closed for s in conn.muxed_conn.streams.values()):
+                await trio.sleep(0.01)
+            taken = conn.muxed_conn.stream_backlog_limit - conn.muxed_conn.stream_backlog_semaphore.value
+            return taken, len(conn.get_streams()), saw_end
+
+
+async def test_stock_yamux_keeps_the_slot_of_a_stream_closed_when_cancelled():
+    with libp2p_patches.disabled():
+        taken, counted, saw_end = await questions_given_up()
+    # no FIN went out, and the slots stay taken for the connection's life: 256 such questions and it opens no stream
+    assert (taken, counted, saw_end) == (3, 3, [False, False, False])
+
+
+async def test_patched_yamux_settles_a_stream_closed_when_cancelled():
+    taken, counted, saw_end = await questions_given_up()
+    assert (taken, counted, saw_end) == (0, 0, [True, True, True])
+
+
+async def test_a_closed_streams_frames_still_reach_the_peer_before_its_end():
+    """The FIN waits its turn for the write lock: a frame of the stream already waiting for it goes first."""
+    a, b = build_host(create_new_key_pair()), build_host(create_new_key_pair())
+    got: list[bytes] = []
+    done = trio.Event()
+
+    async def collect(stream) -> None:
+        try:
+            while data := await stream.read(64):
+                got.append(data)
+        except StreamEOF:
+            pass
+        done.set()
+
+    b.set_stream_handler(ASK, collect)
+    with trio.fail_after(30):
+        async with a.run([LISTEN]), b.run([LISTEN]):
+            await a.connect(info(b))
+            conn = a.get_network().get_connections(b.get_id())[0]
+            stream = await a.new_stream(b.get_id(), [ASK])
+            async with trio.open_nursery() as nursery:
+                async with conn.muxed_conn._write_lock:  # the wire busy: the write and the FIN both wait
+                    nursery.start_soon(stream.write, b"before the end")
+                    await trio.testing.wait_all_tasks_blocked()
+                    await stream.close()
+            await done.wait()
+    assert b"".join(got) == b"before the end"
 
 
 # -- 8. window credit ----------------------------------------------------------------------------------------------

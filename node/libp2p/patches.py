@@ -1,4 +1,4 @@
-"""Every py-libp2p 0.8.1 fix, in one table (``PATCHES``), and the nine applied in place by ``apply()``.
+"""Every py-libp2p 0.8.1 fix, in one table (``PATCHES``), and the ten applied in place by ``apply()``.
 
 ``PATCHES`` names each fix: the upstream bug (``upstream``), the library code it replaces or overrides
 (``target``), ours (``ours``), the test that reproduces the bug on stock code (``test``) and the report ready to
@@ -66,6 +66,27 @@ trainer lost ~half its peers within 40 s of a version (both ends saw only a clea
 ``_write_whole`` finishes every frame write it starts, shielded from the caller's cancellation, within
 ``FRAME_WRITE_DEADLINE``; past that the socket is taken for dead and the connection closed, so a half-written frame
 is never followed by another. The caller's cancellation is delivered once the frame is out.
+
+1c. a cancelled close keeps its stream for good (issue 29, the N = 256 lookups)
+-------------------------------------------------------------------------------
+``YamuxStream.close`` (l. 584) and ``reset`` (l. 618) write their FIN/RST, then release the stream's slot of the
+connection's 256-stream backlog (``Yamux.stream_backlog_semaphore``, taken by every outbound ``open_stream``,
+l. 880); ``NetStream.close``/``reset`` (network/stream/net_stream.py l. 311/357) then drop the stream from its
+connection and the swarm's stream count. py-libp2p closes streams in ``finally`` blocks (the DHT's queries), so a
+query cancelled by its deadline closes in a cancelled scope: the first checkpoint raises, nothing is released, no FIN
+is sent. The peer's handler answers and ends its side; ours is then half-open forever (the stale-stream sweeper
+reclaims only streams closed both ways). Each cancelled query costs a backlog slot for the connection's life: at
+N = 256 on one box a sampler's DHT queries to the bootstrap node ran out often enough that its opens there waited
+5-10 s for a slot, and its lookups of the trainer 30 s and more (docs/capacity.md).
+
+The fix (``YamuxStream.close``/``reset`` and ``NetStream.close``/``reset`` replaced):
+
+* the stream's state and its backlog slot are settled at once, whatever the caller's cancellation;
+* the FIN/RST is handed to a task of the connection's own (started beside the read loop, see 1), which waits its turn
+  for ``_write_lock`` as upstream's inline write did: trio's lock is FIFO, so a frame of this stream already waiting
+  is still written before the FIN, and the caller never waits for the wire;
+* ``NetStream``'s bookkeeping runs shielded (its steps are lock waits only, now that nothing in it waits for the
+  wire), bounded by ``FRAME_WRITE_DEADLINE``. The caller's cancellation is delivered at its next checkpoint.
 
 2. inbound connection slots held until the swarm stops (issue 17, item 1)
 --------------------------------------------------------------------------
@@ -158,6 +179,7 @@ from libp2p.kad_dht.peer_routing import PeerRouting
 from libp2p.kad_dht.provider_store import ProviderStore
 from libp2p.network.connection.exceptions import RawConnError
 from libp2p.network.connection.raw_connection import RawConnection
+from libp2p.network.stream.net_stream import NetStream
 from libp2p.network.swarm import Swarm
 from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
 from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
@@ -191,7 +213,7 @@ _state: dict[str, Any] = {"applied": False, "suppressed": 0, "originals": {}}
 class _ControlQueue:
     """Frames waiting for the wire that nobody may block on: read-loop replies and coalesced window credit."""
 
-    __slots__ = ("closed", "credit", "frames", "reader", "wakeup")
+    __slots__ = ("closed", "credit", "frames", "nursery", "reader", "wakeup")
 
     def __init__(self, reader: trio.lowlevel.Task) -> None:
         self.reader = reader  # the task running handle_incoming
@@ -199,6 +221,7 @@ class _ControlQueue:
         self.credit: dict[int, int] = {}
         self.wakeup = trio.Event()
         self.closed = False
+        self.nursery: trio.Nursery | None = None  # the connection's own tasks (the sender; a closed stream's FIN)
 
     def push_frame(self, frame: bytes, droppable: bool) -> None:
         if self.closed:
@@ -258,6 +281,7 @@ async def _handle_incoming_with_ready_signal(
     original = _state["originals"]["Yamux._handle_incoming_with_ready_signal"]
     task_status.started()
     async with trio.open_nursery() as nursery:
+        ctrl.nursery = nursery
         nursery.start_soon(_control_sender, self, ctrl)
         try:
             await original(self)  # runs handle_incoming in this task; its own started() is then a no-op
@@ -331,6 +355,70 @@ async def _write_whole(conn: _yamux.Yamux, data: bytes, deadline: float = FRAME_
                 await conn.secured_conn.close()
     if scope.cancelled_caught:
         raise RawConnError(f"yamux: a frame to {conn.peer_id} not written in {deadline:.0f} s; connection closed")
+
+
+# -- 1c. a cancelled close ------------------------------------------------------------------------------------------
+
+
+def _send_end(stream: _yamux.YamuxStream, ctrl: _ControlQueue, flag: int) -> None:
+    """Have the connection's own task write ``stream``'s FIN or RST when its turn for the write lock comes."""
+    frame = _HEADER.pack(0, _yamux.TYPE_WINDOW_UPDATE, flag, stream.stream_id, 0)
+
+    async def send() -> None:
+        try:
+            await _write_with_pending(stream.conn, ctrl, frame)
+        except Exception as exc:  # the connection is gone: the peer sees its end instead
+            log.debug("yamux: end of stream %s to %s not sent: %s", stream.stream_id, stream.conn.peer_id, exc)
+
+    if ctrl.closed or ctrl.nursery is None:
+        return
+    try:
+        ctrl.nursery.start_soon(send)
+    except RuntimeError:  # the connection's nursery has closed: so has the connection
+        pass
+
+
+async def _stream_close(self: _yamux.YamuxStream) -> None:
+    """Upstream ``YamuxStream.close`` (our half of the stream ends: FIN), settled whatever the caller's cancellation:
+    the backlog slot is released at once and the FIN goes out when its turn for the wire comes (see 1c above)."""
+    ctrl: _ControlQueue | None = getattr(self.conn, "_swarmrl_ctrl", None)
+    if ctrl is None:  # a connection started before apply()
+        await _state["originals"]["YamuxStream.close"](self)
+        return
+    self._log_perf_yamux_summary()
+    if not self.send_closed:
+        self.send_closed = True
+        _send_end(self, ctrl, _yamux.FLAG_FIN)
+    self.closed = self.send_closed and self.recv_closed
+    with trio.CancelScope(shield=True):
+        await self.conn._finalize_stream(self, fully_closed=self.closed)
+
+
+async def _stream_reset(self: _yamux.YamuxStream) -> None:
+    """Upstream ``YamuxStream.reset`` (RST), settled whatever the caller's cancellation (see 1c above)."""
+    ctrl: _ControlQueue | None = getattr(self.conn, "_swarmrl_ctrl", None)
+    if ctrl is None:
+        await _state["originals"]["YamuxStream.reset"](self)
+        return
+    if not self.closed:
+        self.closed = self.send_closed = self.recv_closed = self.reset_received = True
+        ctrl.credit.pop(self.stream_id, None)  # credit for a stream we reset would name a stream the peer dropped
+        _send_end(self, ctrl, _yamux.FLAG_RST)
+    with trio.CancelScope(shield=True):
+        await self.conn._finalize_stream(self, fully_closed=True)
+
+
+async def _net_stream_close(self: NetStream) -> None:
+    """Upstream ``NetStream.close``, shielded so that a cancelled caller still leaves the stream closed and counted
+    out (see 1c above)."""
+    with trio.CancelScope(shield=True), trio.move_on_after(FRAME_WRITE_DEADLINE):
+        await _state["originals"]["NetStream.close"](self)
+
+
+async def _net_stream_reset(self: NetStream) -> None:
+    """Upstream ``NetStream.reset``, shielded as ``_net_stream_close``."""
+    with trio.CancelScope(shield=True), trio.move_on_after(FRAME_WRITE_DEADLINE):
+        await _state["originals"]["NetStream.reset"](self)
 
 
 # -- 2. swarm inbound slots -----------------------------------------------------------------------------------------
@@ -471,6 +559,38 @@ PATCHES: tuple[Patch, ...] = (
         "libp2p.stream_muxer.yamux.yamux.Yamux._write_frame",
         "node/libp2p/patches.py _write_whole",
         _T + "test_stock_yamux_loses_the_connection_when_a_write_is_cancelled",
+    ),
+    Patch(
+        "yamux-cancelled-close",
+        "a stream closed in a cancelled scope (a DHT query past its deadline) keeps its backlog slot for good",
+        "libp2p.stream_muxer.yamux.yamux.YamuxStream.close",
+        "node/libp2p/patches.py _stream_close, _send_end",
+        _T + "test_stock_yamux_keeps_the_slot_of_a_stream_closed_when_cancelled",
+        (_yamux.YamuxStream, "close", _stream_close),
+    ),
+    Patch(
+        "yamux-cancelled-close",
+        "(the same bug: a reset)",
+        "libp2p.stream_muxer.yamux.yamux.YamuxStream.reset",
+        "node/libp2p/patches.py _stream_reset, _send_end",
+        _T + "test_stock_yamux_keeps_the_slot_of_a_stream_closed_when_cancelled",
+        (_yamux.YamuxStream, "reset", _stream_reset),
+    ),
+    Patch(
+        "yamux-cancelled-close",
+        "(the same bug: the stream's own bookkeeping and the swarm's stream count)",
+        "libp2p.network.stream.net_stream.NetStream.close",
+        "node/libp2p/patches.py _net_stream_close",
+        _T + "test_stock_yamux_keeps_the_slot_of_a_stream_closed_when_cancelled",
+        (NetStream, "close", _net_stream_close),
+    ),
+    Patch(
+        "yamux-cancelled-close",
+        "(the same bug: the stream's own bookkeeping, reset)",
+        "libp2p.network.stream.net_stream.NetStream.reset",
+        "node/libp2p/patches.py _net_stream_reset",
+        _T + "test_stock_yamux_keeps_the_slot_of_a_stream_closed_when_cancelled",
+        (NetStream, "reset", _net_stream_reset),
     ),
     Patch(
         "inbound-slots-held",
