@@ -411,6 +411,11 @@ def samplers_main(args: argparse.Namespace) -> None:
     root = Path(args.root)
     boot = multiaddr.Multiaddr((root / "boot.addr").read_text().strip())
     trainer_id = trainer_peer_id(root)
+    boot_id = boot.value_for_protocol("p2p")
+
+    def kind_of(peer: Any) -> str:
+        return "trainer" if peer == trainer_id else "bootstrap" if str(peer) == boot_id else "sampler"
+
     shared = SharedEngine()
     names = [f"s{i:04d}" for i in range(args.first, args.first + args.count)]
     roles: dict[str, Any] = {}
@@ -645,7 +650,7 @@ def samplers_main(args: argparse.Namespace) -> None:
             try:
                 return await timed_connect(self, info, *a, **kw)
             except BaseException as exc:
-                whom = "trainer" if info.peer_id == trainer_id else names_of.get(str(info.peer_id), "bootstrap?")
+                whom = names_of.get(str(info.peer_id)) or kind_of(info.peer_id)
                 said = f"{whom}: {type(exc).__name__} {str(exc)[:160]} after {time.monotonic() - t:.1f} s"
                 failed_dials.setdefault(names_of.get(str(self.peer_id), "?"), []).append(said)
                 raise
@@ -671,21 +676,32 @@ def samplers_main(args: argparse.Namespace) -> None:
                 outcome = type(exc).__name__
                 raise
             finally:
-                who = "trainer" if peer == trainer_id else "bootstrap"
+                who = kind_of(peer)
                 looks[f"trusted peer ({who}) {outcome} in {within(time.monotonic() - t)} s"] += 1
 
         asks, slow_asks = Counter(), Counter()  # each DHT request on a lazy stream to a trusted peer, by stage
         open_lazy = rpc.open_stream
 
         async def opening_lazy(host: Any, peer: Any, protocol: str) -> Any:
-            who = "trainer" if peer == trainer_id else "bootstrap" if str(peer) not in names_of else ""
-            if protocol != KAD_PROTOCOL or not who:
+            who = kind_of(peer)
+            if protocol != KAD_PROTOCOL or who == "sampler":
                 return await open_lazy(host, peer, protocol)
             t = time.monotonic()
             stream = await open_lazy(host, peer, protocol)
             asks[f"{who} open in {within(time.monotonic() - t)} s"] += 1
             return TimedAsk(stream, who, asks, slow_asks, frames_on)
 
+        closes, stream_close = Counter(), yamux.YamuxStream.close
+
+        async def closing(self: Any) -> None:
+            """Each yamux stream close, by peer and whether its caller was cancelled already (before patch 10,
+            yamux-cancelled-close, such a close kept its backlog slot for the connection's life)."""
+            who = kind_of(self.conn.peer_id)
+            cancelled = trio.current_effective_deadline() == float("-inf")
+            closes[f"to the {who}{', cancelled' if cancelled else ''}"] += 1
+            await stream_close(self)
+
+        yamux.YamuxStream.close = closing  # type: ignore[method-assign]
         rpc.open_stream = opening_lazy  # type: ignore[assignment]
         NodeSwarm.connect, discovery.find_role = timing_connect, timing_find  # type: ignore[method-assign]
         discovery.providers_from_peer = timing_asked  # type: ignore[assignment]
@@ -707,6 +723,7 @@ def samplers_main(args: argparse.Namespace) -> None:
         NodeSwarm.connect, discovery.find_role = connect, find_role  # type: ignore[method-assign]
         discovery.providers_from_peer = asked  # type: ignore[assignment]
         rpc.open_stream = open_lazy  # type: ignore[assignment]
+        yamux.YamuxStream.close = stream_close  # type: ignore[method-assign]
         NetStream.set_protocol, yamux.read_exactly = set_protocol, read_exactly  # type: ignore[method-assign]
         Multiselect.negotiate, BasicHost.new_stream = negotiate, new_stream  # type: ignore[method-assign]
         Network.add_conn, Network.remove_conn = add_conn, remove_conn  # type: ignore[method-assign]
@@ -721,12 +738,21 @@ def samplers_main(args: argparse.Namespace) -> None:
             name = getattr(getattr(config, "data_dir", None), "name", None)
             if name in roles and not roles[name].discovery.trainer_found.is_set():
                 stuck[name] = {"waits": awaiting(task), "failed_dials": failed_dials.get(name, [])[-4:]}
+        backlog: Counter = Counter()  # outbound yamux streams holding a backlog slot (of 256), per connection
+        for sw in swarms.values():
+            for peer, held in sw.host.get_network().get_connections_map().items():
+                who = kind_of(peer)
+                for conn in held:
+                    mux = conn.muxed_conn
+                    taken = mux.stream_backlog_limit - mux.stream_backlog_semaphore.value
+                    backlog[f"to the {who}: {within(taken, (1, 8, 64, 256))} slots taken"] += 1
         write_json(root / f"profile-{args.first}.json", {
             "seconds": seconds, "identities": len(names), "loop_cpu": time.thread_time() - t0,
             "live_tasks": dict(live.most_common(12)), "tasks_alive": sum(live.values()),
             "lag_p50": pct(lags, 0.5), "lag_p99": pct(lags, 0.99), "leases": dict(sorted(leases.items())),
             "looks": dict(sorted(looks.items())), "asks": dict(sorted(asks.items())),
-            "slow_asks": dict(slow_asks.most_common()),
+            "slow_asks": dict(slow_asks.most_common()), "backlog": dict(sorted(backlog.items())),
+            "closes": dict(sorted(closes.items())),
             "tasks": steps.totals(), "streams": dict(streams.most_common()), "inbound": dict(inbound.most_common()),
             "outbound": dict(outbound.most_common()), "outbound_origins": dict(origins.most_common(20)),
             "frames": dict(frames.most_common()),
@@ -1132,6 +1158,10 @@ def profile_lines(p: dict[str, Any], top: int = 15, title: str = "profile-0") ->
         lines.append("  DHT requests to trusted peers: " + ", ".join(f"{k} {v}" for k, v in p["asks"].items()))
     for what, count in p.get("slow_asks", {}).items():
         lines.append(f"  {count:6d} slow: {what}")
+    if p.get("closes"):
+        lines.append("  yamux stream closes: " + ", ".join(f"{k} {v}" for k, v in p["closes"].items()))
+    if p.get("backlog"):
+        lines.append("  connections by yamux backlog: " + ", ".join(f"{k} {v}" for k, v in p["backlog"].items()))
     if p.get("leases"):
         lines.append("  work requests: " + ", ".join(f"{k} {v}" for k, v in p["leases"].items()))
     for task, count in p.get("live_tasks", {}).items():
