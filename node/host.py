@@ -448,6 +448,13 @@ def bootstrap_redial_wait(others: int, losses: int, first: float, most: float, s
     return min(first * doubling, most)
 
 
+def says_outage(failures: int) -> bool:
+    """Whether the keeper logs the ``failures``-th failed dial (>= 1) of one outage: the 1st, 2nd, 4th, 8th, ...
+    A node cut off from its only peer for 16 minutes (bench/swarm_scale, N = 256) said so once; one line per
+    failure would flood a long outage's log."""
+    return failures >= 1 and failures & (failures - 1) == 0
+
+
 async def keep_bootstrap_peers(
     swarm: Swarm,
     infos: list[PeerInfo],
@@ -466,7 +473,7 @@ async def keep_bootstrap_peers(
 async def _keep_bootstrap_peer(
     swarm: Swarm, info: PeerInfo, bootstrap: frozenset[ID], first: float, most: float, settles: bool
 ) -> None:
-    losses, failed, since = 0, False, None
+    losses, failures, since, outage = 0, 0, None, 0.0  # failures: failed dials since the last success
 
     def wait() -> float:
         others = sum(1 for p in swarm.host.get_connected_peers() if p not in bootstrap)
@@ -483,12 +490,20 @@ async def _keep_bootstrap_peer(
             await trio.sleep(wait())
         try:
             await swarm.connect(info)
-            log.info("bootstrap peer %s reached", info.peer_id)
-            failed = False
+            if failures:
+                log.info("bootstrap peer %s reached after %d failed tries over %.0f s", info.peer_id, failures,
+                         trio.current_time() - outage)  # fmt: skip
+            else:
+                log.info("bootstrap peer %s reached", info.peer_id)
+            failures = 0
         except Exception as exc:
-            # said once per outage (a private swarm with the wrong key would retry silently otherwise)
-            level = logging.DEBUG if failed else logging.WARNING
-            log.log(level, "bootstrap peer %s not reached, trying again in the background: %s", info.peer_id, exc)
-            failed = True
+            # a private swarm with the wrong key would retry silently otherwise
+            failures += 1
+            if failures == 1:
+                outage = trio.current_time()
+                log.warning("bootstrap peer %s not reached, trying again in the background: %s", info.peer_id, exc)
+            elif says_outage(failures):
+                log.warning("bootstrap peer %s still not reached after %d tries over %.0f s: %s", info.peer_id,
+                            failures, trio.current_time() - outage, exc)  # fmt: skip
             losses += 1
             await trio.sleep(wait())

@@ -3,6 +3,7 @@ with backoff when the bootstrap keeps hanging up (a full bootstrap node closes i
 
 from __future__ import annotations
 
+import logging
 from functools import partial
 
 import trio
@@ -15,6 +16,7 @@ from node.host import (
     BOOTSTRAP_WELL_CONNECTED,
     bootstrap_redial_wait,
     keep_bootstrap_peers,
+    says_outage,
 )
 
 BOOT = ID(bytes([1, 1]) * 17)
@@ -93,3 +95,31 @@ async def test_a_settled_node_hung_up_on_again_and_again_redials_ever_later(auto
 async def test_a_lone_node_redials_at_once_after_a_connection_that_lived(autojump_clock):
     waits = await hang_up_and_time_the_redials(Node(0), 3, lived=BOOTSTRAP_STABLE + 5)
     assert all(w <= 2.0 for w in waits)  # the bootstrap went down and came back: no backoff carried over
+
+
+def test_an_outage_is_said_at_its_first_second_fourth_eighth_failure():
+    assert [n for n in range(1, 40) if says_outage(n)] == [1, 2, 4, 8, 16, 32]
+
+
+class Unreachable(Node):
+    async def connect(self, info: PeerInfo, timeout: float = 10.0) -> None:
+        self.dials.append(trio.current_time())
+        raise ConnectionError("refused")
+
+
+async def test_a_long_outage_is_said_again_with_its_length_and_its_end(autojump_clock, caplog):
+    node = Unreachable(0)
+    node.host.connected = []
+    caplog.set_level(logging.INFO, logger="node.host")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(keep_bootstrap_peers, node, [PeerInfo(BOOT, [])], 1.0, 60.0)
+        while len(node.dials) < 9:
+            await trio.sleep(1.0)
+        node.__class__ = Node  # the bootstrap peer is back
+        while BOOT not in node.host.connected:
+            await trio.sleep(1.0)
+        nursery.cancel_scope.cancel()
+    said = [r.getMessage() for r in caplog.records if r.name == "node.host" and "bootstrap peer" in r.getMessage()]
+    assert "not reached, trying again" in said[0]
+    assert [m.split("after ")[1].split(" tries")[0] for m in said[1:-1]] == ["2", "4", "8"]
+    assert "reached after 9 failed tries over" in said[-1]
