@@ -691,17 +691,17 @@ def samplers_main(args: argparse.Namespace) -> None:
             asks[f"{who} open in {within(time.monotonic() - t)} s"] += 1
             return TimedAsk(stream, who, asks, slow_asks, frames_on)
 
-        closes, stream_close = Counter(), yamux.YamuxStream.close
+        closes, stream_close = Counter(), NetStream.close
 
         async def closing(self: Any) -> None:
-            """Each yamux stream close, by peer and whether its caller was cancelled already (before patch 10,
-            yamux-cancelled-close, such a close kept its backlog slot for the connection's life)."""
-            who = kind_of(self.conn.peer_id)
+            """Each stream close, by peer and whether its caller was cancelled already (before patch 10,
+            yamux-cancelled-close, such a close kept its yamux backlog slot for the connection's life)."""
+            who = kind_of(self.muxed_conn.peer_id)
             cancelled = trio.current_effective_deadline() == float("-inf")
             closes[f"to the {who}{', cancelled' if cancelled else ''}"] += 1
             await stream_close(self)
 
-        yamux.YamuxStream.close = closing  # type: ignore[method-assign]
+        NetStream.close = closing  # type: ignore[method-assign]
         rpc.open_stream = opening_lazy  # type: ignore[assignment]
         NodeSwarm.connect, discovery.find_role = timing_connect, timing_find  # type: ignore[method-assign]
         discovery.providers_from_peer = timing_asked  # type: ignore[assignment]
@@ -723,7 +723,7 @@ def samplers_main(args: argparse.Namespace) -> None:
         NodeSwarm.connect, discovery.find_role = connect, find_role  # type: ignore[method-assign]
         discovery.providers_from_peer = asked  # type: ignore[assignment]
         rpc.open_stream = open_lazy  # type: ignore[assignment]
-        yamux.YamuxStream.close = stream_close  # type: ignore[method-assign]
+        NetStream.close = stream_close  # type: ignore[method-assign]
         NetStream.set_protocol, yamux.read_exactly = set_protocol, read_exactly  # type: ignore[method-assign]
         Multiselect.negotiate, BasicHost.new_stream = negotiate, new_stream  # type: ignore[method-assign]
         Network.add_conn, Network.remove_conn = add_conn, remove_conn  # type: ignore[method-assign]
