@@ -818,8 +818,9 @@ class TimedAsk:
         read = self._frames_on[id(conn.secured_conn)] - self._frames
         buffered = len(conn.stream_buffers.get(muxed.stream_id, b""))
         state = "reset" if muxed.reset_received else "ended" if muxed.recv_closed else "open"
-        self._slow[f"{self._who} {outcome}: connection read {within(read, (1, 10, 100))} frames meanwhile, "
-                   f"{'bytes' if buffered else 'nothing'} unread, stream {state}"] += 1  # fmt: skip
+        unread = "" if self._answered else f", {'bytes' if buffered else 'nothing'} unread"  # (an answer's rest is)
+        self._slow[f"{self._who} {outcome}: connection read {within(read, (1, 10, 100))} frames meanwhile"
+                   f"{unread}, stream {state}"] += 1  # fmt: skip
 
     async def close(self) -> None:
         if self._asked is not None and self._reading and not self._answered:
@@ -1152,18 +1153,14 @@ def profile_lines(p: dict[str, Any], top: int = 15, title: str = "profile-0") ->
         lines.append(f"  {count / secs / n:6.2f} yamux frames read/s per host  {kind}")
     for what, count in p.get("connections", {}).items():
         lines.append(f"  {count / secs / n:6.3f} connections {what}/s per host")
-    if p.get("looks"):
-        lines.append("  dials and role lookups: " + ", ".join(f"{k} {v}" for k, v in p["looks"].items()))
-    if p.get("asks"):
-        lines.append("  DHT requests to trusted peers: " + ", ".join(f"{k} {v}" for k, v in p["asks"].items()))
+    counted = (("looks", "dials and role lookups"), ("asks", "DHT requests to trusted peers"),
+               ("closes", "stream closes"), ("backlog", "connections by yamux backlog"),
+               ("leases", "work requests"))  # fmt: skip
+    for key, title in counted:
+        if p.get(key):
+            lines.append(f"  {title}: " + ", ".join(f"{k} {v}" for k, v in p[key].items()))
     for what, count in p.get("slow_asks", {}).items():
         lines.append(f"  {count:6d} slow: {what}")
-    if p.get("closes"):
-        lines.append("  yamux stream closes: " + ", ".join(f"{k} {v}" for k, v in p["closes"].items()))
-    if p.get("backlog"):
-        lines.append("  connections by yamux backlog: " + ", ".join(f"{k} {v}" for k, v in p["backlog"].items()))
-    if p.get("leases"):
-        lines.append("  work requests: " + ", ".join(f"{k} {v}" for k, v in p["leases"].items()))
     for task, count in p.get("live_tasks", {}).items():
         lines.append(f"  {count / n:7.1f} tasks alive per host  {task}")
     for gen, (cpu, runs, _) in sorted(p.get("gc", {}).items()):
