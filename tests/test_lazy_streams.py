@@ -120,6 +120,56 @@ async def test_a_good_answer_is_read_once_and_the_data_follows():
     assert await stream.read(4) == b"more"
 
 
+class Framed:
+    """A stream whose bytes arrive in given pieces (a yamux frame each): a read returns at most what one piece
+    has left, and the reads are counted (each one is a few task switches of the reader)."""
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        self.pieces = [p for p in pieces if p]
+        self.reads = 0
+
+    async def read(self, n=None):
+        self.reads += 1
+        if not self.pieces:
+            return b""
+        n = len(self.pieces[0]) if n is None or n < 0 else n
+        out, rest = self.pieces[0][:n], self.pieces[0][n:]
+        self.pieces = [rest, *self.pieces[1:]] if rest else self.pieces[1:]
+        return out
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize("cut", range(1, 60, 3))
+async def test_echoes_and_a_reply_are_read_in_as_few_reads_as_they_arrive(cut):
+    """A listener's echoes and a varint-prefixed reply, cut anywhere into two frames: read a byte at a time for
+    the varint (as py-libp2p's readers do), they come whole, in no more reads than frames (the last read: the end)."""
+    from libp2p.utils.varint import read_varint_prefixed_bytes_limited
+
+    reply = b"r" * 300  # a two-byte varint
+    wire = encode_delim(b"/multistream/1.0.0") + encode_delim(ECHO.encode()) + encode_delim(reply)
+    raw = Framed([wire[:cut], wire[cut:]])
+    stream = LazyStream(raw, ECHO)  # type: ignore[arg-type]
+    assert await read_varint_prefixed_bytes_limited(stream, 1024) == reply + b"\n"  # encode_delim ends a line
+    assert raw.reads <= 2
+    assert await stream.read(10) == b""
+
+
+def test_a_delimited_item_is_taken_only_when_whole_and_within_its_limit():
+    from libp2p.exceptions import ParseError
+    from libp2p.io.exceptions import MessageTooLarge
+
+    from node.rpc import take_delimited
+
+    item = encode_delim(b"x" * 200)  # a two-byte varint, then 201 bytes ("\n" included)
+    assert take_delimited(item + b"next", 1024) == (b"x" * 200 + b"\n", len(item))
+    assert all(take_delimited(item[:k], 1024) is None for k in range(len(item)))
+    with pytest.raises(MessageTooLarge):
+        take_delimited(item, 100)  # refused on the announced length, before the body is there
+    with pytest.raises(ParseError):
+        take_delimited(b"\xff" * 10, 1 << 40)
+    assert take_delimited(b"\xff" * 9, 1 << 40) is None
+
+
 @asynccontextmanager
 async def echo_pair() -> AsyncIterator[tuple[Any, Any, StreamPool, tuple[str, str, str]]]:
     """Two hosts on loopback, b serving ECHO and a connected to it: (a, b, a fresh pool, the pool's key a -> b)."""

@@ -43,9 +43,8 @@ async def _kad_request(host: IHost, peer: ID, message: Message, answered: bool) 
     Failures raise here (StreamFailure: the peer does not speak the DHT; PeerClosed: it reset or ended the stream
     unanswered; ProtocolError: its answer does not parse)."""
     body = message.SerializeToString()
-    stream = await rpc.open_stream(host, peer, PROTOCOL_ID)
+    stream = await rpc.open_stream(host, peer, PROTOCOL_ID, first=varint.encode(len(body)) + body)
     try:
-        await stream.write(varint.encode(len(body)) + body)
         if not answered:
             return None
         try:
