@@ -67,17 +67,18 @@ trainer lost ~half its peers within 40 s of a version (both ends saw only a clea
 ``FRAME_WRITE_DEADLINE``; past that the socket is taken for dead and the connection closed, so a half-written frame
 is never followed by another. The caller's cancellation is delivered once the frame is out.
 
-1c. a cancelled close keeps its stream for good (issue 29, the N = 256 lookups)
--------------------------------------------------------------------------------
+1c. a cancelled close keeps its stream for good (issue 29, found tracing the N = 256 lookups)
+--------------------------------------------------------------------------------------------
 ``YamuxStream.close`` (l. 584) and ``reset`` (l. 618) write their FIN/RST, then release the stream's slot of the
 connection's 256-stream backlog (``Yamux.stream_backlog_semaphore``, taken by every outbound ``open_stream``,
 l. 880); ``NetStream.close``/``reset`` (network/stream/net_stream.py l. 311/357) then drop the stream from its
 connection and the swarm's stream count. py-libp2p closes streams in ``finally`` blocks (the DHT's queries), so a
 query cancelled by its deadline closes in a cancelled scope: the first checkpoint raises, nothing is released, no FIN
 is sent. The peer's handler answers and ends its side; ours is then half-open forever (the stale-stream sweeper
-reclaims only streams closed both ways). Each cancelled query costs a backlog slot for the connection's life: at
-N = 256 on one box a sampler's DHT queries to the bootstrap node ran out often enough that its opens there waited
-5-10 s for a slot, and its lookups of the trainer 30 s and more (docs/capacity.md).
+reclaims only streams closed both ways). Each cancelled query costs a backlog slot for the connection's life, and
+256 of them on one connection leave it unable to open a stream. At N = 256 on one box it was rare (one such close
+a minute among 256 hosts, in the window measured): not what made those lookups slow (docs/capacity.md), but a
+long-lived connection to a busy peer adds them up.
 
 The fix (``YamuxStream.close``/``reset`` and ``NetStream.close``/``reset`` replaced):
 
