@@ -682,14 +682,17 @@ def samplers_main(args: argparse.Namespace) -> None:
         asks, slow_asks = Counter(), Counter()  # each DHT request on a lazy stream to a trusted peer, by stage
         open_lazy = rpc.open_stream
 
-        async def opening_lazy(host: Any, peer: Any, protocol: str) -> Any:
+        async def opening_lazy(host: Any, peer: Any, protocol: str, first: bytes = b"") -> Any:
             who = kind_of(peer)
             if protocol != KAD_PROTOCOL or who == "sampler":
-                return await open_lazy(host, peer, protocol)
+                return await open_lazy(host, peer, protocol, first)
             t = time.monotonic()
-            stream = await open_lazy(host, peer, protocol)
-            asks[f"{who} open in {within(time.monotonic() - t)} s"] += 1
-            return TimedAsk(stream, who, asks, slow_asks, frames_on)
+            stream = await open_lazy(host, peer, protocol, first)
+            asks[f"{who} open{' with the request' if first else ''} in {within(time.monotonic() - t)} s"] += 1
+            timed = TimedAsk(stream, who, asks, slow_asks, frames_on)
+            if first:  # the request left in the opening write
+                timed.asked()
+            return timed
 
         closes, stream_close = Counter(), NetStream.close
 
@@ -798,8 +801,12 @@ class TimedAsk:
     async def write(self, data: bytes) -> None:
         t = time.monotonic()
         await self._stream.write(data)
+        self.asked()
+        self._asks[f"{self._who} request written in {within(time.monotonic() - t)} s"] += 1
+
+    def asked(self) -> None:
+        """The request is out: the wait for its answer starts now."""
         self._asked = time.monotonic()
-        self._asks[f"{self._who} request written in {within(self._asked - t)} s"] += 1
         self._frames = self._frames_on[id(self._muxed()[1].secured_conn)]
 
     async def read(self, n: int | None = None) -> bytes:
