@@ -7,6 +7,8 @@ scenario inside ``libp2p_patches.disabled()``.
 from __future__ import annotations
 
 import struct
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import multiaddr
@@ -373,12 +375,21 @@ async def test_patched_yamux_finishes_a_cancelled_write_and_keeps_the_connection
 ASK = "/swarmrl-test/ask/1"
 
 
+@asynccontextmanager
+async def serving_pair(protocol: str, handler) -> AsyncIterator[tuple[Any, Any, Any]]:
+    """Two hosts on loopback, B serving ``protocol`` with ``handler`` and A connected to it: (A, B, A's connection)."""
+    a, b = build_host(create_new_key_pair()), build_host(create_new_key_pair())
+    b.set_stream_handler(protocol, handler)
+    async with a.run([LISTEN]), b.run([LISTEN]):
+        await a.connect(info(b))
+        yield a, b, a.get_network().get_connections(b.get_id())[0]
+
+
 async def questions_given_up(count: int = 3) -> tuple[int, int, list[bool]]:
     """A asks B ``count`` questions at once, the way py-libp2p's DHT does (``finally: await stream.close()``), and
     gives up on each (its scope cancelled) once B has read it; B answers late, waits for A's end of the stream, and
     ends its own. Returns, once A has read B's ends: A's backlog slots still taken on the connection, A's streams
     still counted on it, and whether each of B's handlers saw A's end (its FIN)."""
-    a, b = build_host(create_new_key_pair()), build_host(create_new_key_pair())
     asked, given_up, answered = trio.Event(), trio.Event(), trio.Event()
     saw_end: list[bool] = []
     read = [0]
@@ -401,11 +412,8 @@ async def questions_given_up(count: int = 3) -> tuple[int, int, list[bool]]:
         if len(saw_end) == count:
             answered.set()
 
-    b.set_stream_handler(ASK, answer_late)
     with trio.fail_after(30):
-        async with a.run([LISTEN]), b.run([LISTEN]):
-            await a.connect(info(b))
-            conn = a.get_network().get_connections(b.get_id())[0]
+        async with serving_pair(ASK, answer_late) as (a, b, conn):
             scopes = [trio.CancelScope() for _ in range(count)]
 
             async def ask(scope: trio.CancelScope) -> None:
@@ -445,7 +453,6 @@ async def test_patched_yamux_settles_a_stream_closed_when_cancelled():
 
 async def test_a_closed_streams_frames_still_reach_the_peer_before_its_end():
     """The FIN waits its turn for the write lock: a frame of the stream already waiting for it goes first."""
-    a, b = build_host(create_new_key_pair()), build_host(create_new_key_pair())
     got: list[bytes] = []
     done = trio.Event()
 
@@ -457,11 +464,8 @@ async def test_a_closed_streams_frames_still_reach_the_peer_before_its_end():
             pass
         done.set()
 
-    b.set_stream_handler(ASK, collect)
     with trio.fail_after(30):
-        async with a.run([LISTEN]), b.run([LISTEN]):
-            await a.connect(info(b))
-            conn = a.get_network().get_connections(b.get_id())[0]
+        async with serving_pair(ASK, collect) as (a, b, conn):
             stream = await a.new_stream(b.get_id(), [ASK])
             async with trio.open_nursery() as nursery:
                 async with conn.muxed_conn._write_lock:  # the wire busy: the write and the FIN both wait
