@@ -134,8 +134,9 @@ def trace_dht_serving() -> dict[str, dict[str, int]]:
     negotiate, first, handle = Multiselect.negotiate, node_host._DhtStream.first_request, KadDHT.handle_stream
 
     def count(stage: str, took: float) -> None:
+        by_label = stages.setdefault(stage, {})
         label = within(took, (0.1, 1, 5, 10, 30))
-        stages.setdefault(stage, {})[label] = stages.get(stage, {}).get(label, 0) + 1
+        by_label[label] = by_label.get(label, 0) + 1
 
     types = {0: "PUT_VALUE", 1: "GET_VALUE", 2: "ADD_PROVIDER", 3: "GET_PROVIDERS", 4: "FIND_NODE", 5: "PING"}
 
@@ -147,8 +148,8 @@ def trace_dht_serving() -> dict[str, dict[str, int]]:
             return protocol, handler
         finally:
             if outcome in ("failed", "/ipfs/kad/1.0.0"):
-                count(f"negotiation {outcome}", time.monotonic() - t)
-                communicator.read_writer.negotiated_in = time.monotonic() - t
+                communicator.read_writer.negotiated_in = took = time.monotonic() - t
+                count(f"negotiation {outcome}", took)
 
     async def first_request(self: Any) -> bool:
         t = time.monotonic()
@@ -169,8 +170,9 @@ def trace_dht_serving() -> dict[str, dict[str, int]]:
         try:
             await handle(self, stream)
         finally:
-            count("handler", time.monotonic() - t)
-            count(f"by {getattr(stream, 'kind', '?')}: handler", time.monotonic() - t)
+            took = time.monotonic() - t
+            count("handler", took)
+            count(f"by {getattr(stream, 'kind', '?')}: handler", took)
 
     Multiselect.negotiate = negotiating  # type: ignore[method-assign]
     node_host._DhtStream.first_request = first_request  # type: ignore[method-assign]
@@ -687,12 +689,9 @@ def samplers_main(args: argparse.Namespace) -> None:
             if protocol != KAD_PROTOCOL or who == "sampler":
                 return await open_lazy(host, peer, protocol, first)
             t = time.monotonic()
-            stream = await open_lazy(host, peer, protocol, first)
-            asks[f"{who} open{' with the request' if first else ''} in {within(time.monotonic() - t)} s"] += 1
-            timed = TimedAsk(stream, who, asks, slow_asks, frames_on)
-            if first:  # the request left in the opening write
-                timed.asked()
-            return timed
+            stream = await open_lazy(host, peer, protocol, first)  # the request leaves in the opening write
+            asks[f"{who} open with the request in {within(time.monotonic() - t)} s"] += 1
+            return TimedAsk(stream, who, asks, slow_asks, frames_on)
 
         closes, stream_close = Counter(), NetStream.close
 
@@ -783,36 +782,25 @@ def samplers_main(args: argparse.Namespace) -> None:
 
 
 class TimedAsk:
-    """A lazy DHT stream to a trusted peer (node/libp2p/access.py ``_kad_request``), timing its request's write and
+    """A lazy DHT stream to a trusted peer (node/libp2p/access.py ``_kad_request``), opened with its request: times
     the wait for its answer's first bytes into ``asks``. An answer that took 5 s or more, or none, is described in
     ``slow_asks``: how many yamux frames its connection read meanwhile (none: the connection, not the peer, was
     stalled), and whether bytes for it lay unread in its buffer at the end (the reading task was not woken)."""
 
     def __init__(self, stream: Any, who: str, asks: Counter, slow_asks: Counter, frames_on: Counter) -> None:
         self._stream, self._who, self._asks, self._slow, self._frames_on = stream, who, asks, slow_asks, frames_on
-        self._asked: float | None = None  # when the request was written
-        self._frames = 0  # the connection's frame count then
+        self._asked = time.monotonic()  # the request is out: the wait for its answer starts now
+        self._frames = frames_on[id(self._muxed()[1].secured_conn)]  # the connection's frame count then
         self._reading = self._answered = False  # a provide writes and closes: never read, not an ask
 
     def _muxed(self) -> tuple[Any, Any]:
         muxed = self._stream._stream.muxed_stream
         return muxed, muxed.muxed_conn
 
-    async def write(self, data: bytes) -> None:
-        t = time.monotonic()
-        await self._stream.write(data)
-        self.asked()
-        self._asks[f"{self._who} request written in {within(time.monotonic() - t)} s"] += 1
-
-    def asked(self) -> None:
-        """The request is out: the wait for its answer starts now."""
-        self._asked = time.monotonic()
-        self._frames = self._frames_on[id(self._muxed()[1].secured_conn)]
-
     async def read(self, n: int | None = None) -> bytes:
         self._reading = True
         data = await self._stream.read(n)
-        if not self._answered and self._asked is not None:
+        if not self._answered:
             self._answered = True
             waited = time.monotonic() - self._asked
             self._asks[f"{self._who} answered in {within(waited)} s"] += 1
@@ -830,7 +818,7 @@ class TimedAsk:
                    f"{unread}, stream {state}"] += 1  # fmt: skip
 
     async def close(self) -> None:
-        if self._asked is not None and self._reading and not self._answered:
+        if self._reading and not self._answered:
             self._asks[f"{self._who} not answered, closed after {within(time.monotonic() - self._asked)} s"] += 1
             self._describe("not answered")
         await self._stream.close()
