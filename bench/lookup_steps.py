@@ -1,9 +1,6 @@
-"""Task switches one DHT lookup at a peer costs the asking task, measured in the same run:
-- ours: node/libp2p/access.py (a lazy stream that carries the request in its opening write and reads buffered) on
-  connections whose locks take a free lock without yielding (node/libp2p/locks.py, patch 10);
-- trio's locks: the same lookup on a pair of hosts built, and asked, with py-libp2p's modules on trio's own locks;
-- baseline: the path before either (the request in a write of its own, the echoes and the reply read a varint byte
-  at a time), on trio's locks.
+"""Task switches one DHT lookup at a peer costs the asking task: ours (node/libp2p/access.py, a lazy stream that
+carries the request in its opening write and reads buffered) against the baseline it replaced (the request in a
+write of its own, the echoes and the reply read a varint byte at a time), measured in the same run.
 
 Why switches and not seconds: on an idle box a lookup on loopback takes milliseconds either way, but on a loaded
 one every switch waits for a pass of the loop. At N = 256 on one box (bench/swarm_scale.py) the samplers' loops
@@ -17,18 +14,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from collections.abc import Iterator
-from contextlib import AsyncExitStack, contextmanager
 from pathlib import Path
-from typing import Any
 
 import multiaddr
 import trio
 import varint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-NAMES = ["ours", "trio's locks", "baseline"]
 
 
 class Switches(trio.abc.Instrument):
@@ -62,22 +54,6 @@ async def baseline_lookup(host, peer, message) -> bytes:  # type: ignore[no-unty
         await stream.close()
 
 
-@contextmanager
-def trio_locks() -> Iterator[None]:
-    """py-libp2p's modules on trio's own locks inside the block (the locks they make meanwhile stay trio's)."""
-    from node.libp2p.patches import PATCHES
-
-    modules = [p.install[0] for p in PATCHES if p.name == "free-lock-yields" and p.install]
-    eager = [m.trio for m in modules]
-    for module in modules:
-        module.trio = trio
-    try:
-        yield
-    finally:
-        for module, was in zip(modules, eager, strict=True):
-            module.trio = was
-
-
 async def measure(rounds: int) -> dict[str, list[int]]:
     from libp2p.crypto.ed25519 import create_new_key_pair
     from libp2p.kad_dht.kad_dht import _encode_key
@@ -90,38 +66,21 @@ async def measure(rounds: int) -> dict[str, list[int]]:
 
     listen = multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")
     cid = role_cid("swarm", "trainer")
-    message = Message(type=Message.MessageType.GET_PROVIDERS, key=_encode_key(cid))
-    counts: dict[str, list[int]] = {name: [] for name in NAMES}
-    async with AsyncExitStack() as stack:
-
-        async def pair() -> tuple[Any, Any]:
-            a = await stack.enter_async_context(open_swarm(create_new_key_pair(), listen))
-            b = await stack.enter_async_context(open_swarm(create_new_key_pair(), listen))
-            await a.connect(PeerInfo(b.peer_id, b.host.get_addrs()))
-            return a, b
-
-        eager = await pair()
-        with trio_locks():
-            stock = await pair()
-
-        async def lookup(name: str) -> None:
-            if name == "ours":
-                await providers_from_peer(eager[0].dht, eager[1].peer_id, cid)
-                return
-            with trio_locks():
-                if name == "trio's locks":
-                    await providers_from_peer(stock[0].dht, stock[1].peer_id, cid)
-                else:
-                    await baseline_lookup(stock[0].host, stock[1].peer_id, message)
-
+    counts: dict[str, list[int]] = {"ours": [], "baseline": []}
+    async with open_swarm(create_new_key_pair(), listen) as a, open_swarm(create_new_key_pair(), listen) as b:
+        await a.connect(PeerInfo(b.peer_id, b.host.get_addrs()))
         switches = Switches()
         trio.lowlevel.add_instrument(switches)
         switches.task = trio.lowlevel.current_task()
+        message = Message(type=Message.MessageType.GET_PROVIDERS, key=_encode_key(cid))
         for i in range(rounds):
             print(f"\rround {i + 1}/{rounds}", end="", file=sys.stderr, flush=True)
-            for name in NAMES[i % len(NAMES) :] + NAMES[: i % len(NAMES)]:  # each goes first in turn
+            for name in ("ours", "baseline") if i % 2 else ("baseline", "ours"):
                 switches.count = 0
-                await lookup(name)
+                if name == "ours":
+                    await providers_from_peer(a.dht, b.peer_id, cid)
+                else:
+                    await baseline_lookup(a.host, b.peer_id, message)
                 counts[name].append(switches.count)
         trio.lowlevel.remove_instrument(switches)
     print(file=sys.stderr)
@@ -133,14 +92,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20)
     args = ap.parse_args()
     counts = trio.run(measure, args.rounds)
-    med = {name: statistics.median(c) for name, c in counts.items()}
-    ours, locks, base = med["ours"], med["trio's locks"], med["baseline"]
+    ours, base = statistics.median(counts["ours"]), statistics.median(counts["baseline"])
     print(f"task switches of the asking task per lookup (median of {args.rounds}): ours {ours:.0f}, "
-          f"with trio's locks {locks:.0f}, baseline {base:.0f}; ratio to trio's locks {ours / locks:.2f}, "
-          f"to the baseline {ours / base:.2f}")  # fmt: skip
+          f"baseline {base:.0f}, ratio {ours / base:.2f}")  # fmt: skip
     print(
-        f"if each switch waits a pass of a loop 0.5 s behind (N = 256 on one box): ~{ours * 0.5:.0f} s, "
-        f"~{locks * 0.5:.0f} s with trio's locks, ~{base * 0.5:.0f} s for the baseline"
+        f"if each switch waits a pass of a loop 0.5 s behind (N = 256 on one box): ~{ours * 0.5:.0f} s against "
+        f"~{base * 0.5:.0f} s"
     )
 
 

@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 import trio
@@ -67,28 +67,6 @@ __all__ = [
 ]
 
 CLI = [sys.executable, "-P", "-m", "node.cli"]  # -P: data dirs in the cwd must not shadow packages
-
-
-class _Yields(trio.abc.Instrument):
-    """Counts the scheduler's returns to the task that made it: one per yield."""
-
-    def __init__(self) -> None:
-        self.task = trio.lowlevel.current_task()
-        self.count = 0
-
-    def before_task_step(self, task: trio.lowlevel.Task) -> None:
-        self.count += task is self.task
-
-
-async def yields_of(step: Callable[[], Awaitable[object]]) -> int:
-    """How many times the calling task yields to the scheduler while it awaits ``step()``."""
-    yields = _Yields()
-    trio.lowlevel.add_instrument(yields)
-    try:
-        await step()
-    finally:
-        trio.lowlevel.remove_instrument(yields)
-    return yields.count
 
 
 def run_cli(*args: str, cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess:

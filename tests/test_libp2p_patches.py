@@ -21,11 +21,9 @@ from libp2p.network.swarm import Swarm
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.stream_muxer.yamux import yamux as yamux_module
 
-from node import rpc
 from node.connmgr import ConnLimits
 from node.host import build_host
 from node.libp2p import patches as libp2p_patches
-from tests.helpers import yields_of
 
 LISTEN = multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")
 PUSH = "/swarmrl-test/push/1"
@@ -479,45 +477,6 @@ async def test_a_closed_streams_frames_still_reach_the_peer_before_its_end():
 
 
 # -- 8. window credit ----------------------------------------------------------------------------------------------
-async def yields_to_open_write_and_close() -> int:
-    """The yields of a task that opens a stream on an established connection, sends a request in the opening write
-    (node.rpc), writes once more and closes: no read, so the count does not depend on the peer's speed."""
-    done = trio.Event()
-
-    async def drain(stream) -> None:
-        try:
-            while await stream.read(64):
-                pass
-        except StreamEOF:
-            pass
-        done.set()
-
-    with trio.fail_after(30):
-        async with serving_pair(ASK, drain) as (a, b, _):
-
-            async def ask() -> None:
-                stream = await rpc.open_stream(a, b.get_id(), ASK, first=b"question")
-                await stream.write(b"and more")
-                await stream.close()
-
-            count = await yields_of(ask)
-            await done.wait()
-            return count
-
-
-async def test_stock_yamux_yields_for_every_free_lock_of_a_stream():
-    with libp2p_patches.disabled():
-        stock = await yields_to_open_write_and_close()
-    # the swarm's and yamux's semaphores, streams_lock, the state lock, rw_lock, window_lock, two write locks a write
-    assert stock >= 20, stock  # 31 measured
-
-
-async def test_patched_yamux_yields_only_to_write_the_socket_and_notify():
-    # three socket writes (the SYN, the request, the second write; the FIN goes by the connection's own task) and
-    # the swarm's stream notifications (opened, closed): 5, one more if the connection's own task held the write lock
-    assert await yields_to_open_write_and_close() <= 6
-
-
 async def credits_for_one_transfer(read_size: int, nbytes: int = 4 << 20) -> tuple[int, int]:
     """One stream carrying ``nbytes``, read ``read_size`` bytes at a time: (bytes received, window updates sent)."""
     received, updates = 0, 0

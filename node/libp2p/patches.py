@@ -1,4 +1,4 @@
-"""Every py-libp2p 0.8.1 fix, in one table (``PATCHES``), and the eleven applied in place by ``apply()``.
+"""Every py-libp2p 0.8.1 fix, in one table (``PATCHES``), and the ten applied in place by ``apply()``.
 
 ``PATCHES`` names each fix: the upstream bug (``upstream``), the library code it replaces or overrides
 (``target``), ours (``ours``), the test that reproduces the bug on stock code (``test``) and the report ready to
@@ -160,16 +160,6 @@ walks for the node's own id and then for a random key in every non-empty bucket,
 under 10 s deadlines, whatever the walk before it met. Replaced by node/libp2p/routing.py (its docstring says how,
 and what it measured): the same walks, the round ending at the first walk no peer answered;
 ``PeerRouting._query_peer_for_closest`` is wrapped to count the answers.
-
-10. a pass of the scheduler for every free lock (issue 29)
-----------------------------------------------------------
-trio's ``Lock``/``Semaphore`` yield even when free, and py-libp2p takes one at almost every step of a stream: a DHT
-lookup at a peer cost its task 37-39 passes of the scheduler, 29 of them for locks nobody held. On a loop 0.5 s behind
-(N = 256 on one box) that is most of the lookup's ~20 s. The modules that take them (yamux, rw_lock, NetStream, the
-TCP stream, the swarm) get ``trio`` with eager locks (node/libp2p/locks.py: a free lock is taken at once, still a
-cancellation point; a held one queues its waiters in order, cancellably, as trio's does), and the write path's
-closing checkpoint (1 above) delivers a cancellation without yielding otherwise. A lookup at a peer now costs 8
-passes, 4 of them waits for data (bench/lookup_steps.py, same run: 37 on trio's locks).
 """
 
 from __future__ import annotations
@@ -186,25 +176,20 @@ import trio
 from libp2p.abc import IMuxedConn
 from libp2p.host.autonat.autonat import AutoNATService
 from libp2p.host.basic_host import BasicHost
-from libp2p.io import trio as _io_trio
 from libp2p.kad_dht.peer_routing import PeerRouting
 from libp2p.kad_dht.provider_store import ProviderStore
-from libp2p.network import swarm as _swarm
 from libp2p.network.connection.exceptions import RawConnError
 from libp2p.network.connection.raw_connection import RawConnection
-from libp2p.network.stream import net_stream as _net_stream
 from libp2p.network.stream.net_stream import NetStream
 from libp2p.network.swarm import Swarm
 from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
 from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
 from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH
-from libp2p.stream_muxer import rw_lock as _rw_lock
 from libp2p.stream_muxer.yamux import yamux as _yamux
 from libp2p.transport.tcp.tcp import TCP
 
 from node.libp2p.conns import LAST_READ, _handle_inbound_connection
 from node.libp2p.credit import credit_at_half_window
-from node.libp2p.locks import EAGER_TRIO
 from node.libp2p.nat import is_relayed_addr
 from node.libp2p.providers import add_provider, get_providers
 from node.libp2p.routing import count_answers, refresh_routing_table
@@ -348,7 +333,7 @@ async def _write_frame(self: _yamux.Yamux, data: bytes) -> None:
             log.debug("yamux: GO_AWAY to %s not sent within %.0f s; closing anyway", self.peer_id, GO_AWAY_SEND_TIMEOUT)
         return
     await _write_with_pending(self, ctrl, data)
-    await trio.lowlevel.checkpoint_if_cancelled()  # the write was shielded: a cancel lands here, a yield does not (10)
+    await trio.lowlevel.checkpoint()
 
 
 async def _write_with_pending(
@@ -743,23 +728,6 @@ PATCHES: tuple[Patch, ...] = (
         "node/libp2p/routing.py count_answers",
         _T + "test_stock_refresh_walks_every_bucket_when_no_peer_answers",
         (PeerRouting, "_query_peer_for_closest", count_answers),
-    ),
-    *(
-        Patch(
-            "free-lock-yields",
-            "trio locks yield when free, and py-libp2p takes one at almost every step of a stream" + also,
-            f"{module.__name__}.trio.Lock, .Semaphore",
-            "node/libp2p/locks.py EAGER_TRIO (EagerLock, EagerSemaphore)",
-            _T + "test_stock_yamux_yields_for_every_free_lock_of_a_stream",
-            (module, "trio", EAGER_TRIO),
-        )
-        for module, also in (
-            (_yamux, ""),
-            (_rw_lock, " (the yamux stream's rw_lock)"),
-            (_net_stream, " (NetStream's state lock)"),
-            (_io_trio, " (the TCP stream's write lock)"),
-            (_swarm, " (the swarm's stream semaphore)"),
-        )
     ),
     Patch(
         "dial-one-address",
