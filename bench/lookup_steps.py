@@ -4,7 +4,9 @@ write of its own, the echoes and the reply read a varint byte at a time), measur
 
 Why switches and not seconds: on an idle box a lookup on loopback takes milliseconds either way, but on a loaded
 one every switch waits for a pass of the loop. At N = 256 on one box (bench/swarm_scale.py) the samplers' loops
-were 0.5 s behind at the median, so a lookup's latency was about its switches times 0.5 s (docs/capacity.md).
+were 0.5 s behind at the median, and a lookup's latency looked like its switches times 0.5 s. It is CPU queueing:
+on a saturated loop, fewer switches make every pass longer and move the wait to other tasks, and shorten lookups
+only as far as they also save CPU (docs/capacity.md, "Locks that do not yield, tried and reverted").
 
     .venv/bin/python bench/lookup_steps.py [--rounds 20]
 """

@@ -1151,9 +1151,9 @@ def profile_lines(p: dict[str, Any], top: int = 15, title: str = "profile-0") ->
     counted = (("looks", "dials and role lookups"), ("asks", "DHT requests to trusted peers"),
                ("closes", "stream closes"), ("backlog", "connections by yamux backlog"),
                ("leases", "work requests"))  # fmt: skip
-    for key, title in counted:
+    for key, heading in counted:
         if p.get(key):
-            lines.append(f"  {title}: " + ", ".join(f"{k} {v}" for k, v in p[key].items()))
+            lines.append(f"  {heading}: " + ", ".join(f"{k} {v}" for k, v in p[key].items()))
     for what, count in p.get("slow_asks", {}).items():
         lines.append(f"  {count:6d} slow: {what}")
     for task, count in p.get("live_tasks", {}).items():
