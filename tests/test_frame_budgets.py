@@ -237,3 +237,20 @@ async def test_header_only_frames_from_40_identities_lock_out_no_one(tmp_path, t
         assert grown < 100 << 20
         attack.cancel_scope.cancel()
     nursery.cancel_scope.cancel()
+
+
+def test_the_wan_labs_header_flooder_announces_what_the_trainer_takes_and_backs_off():
+    """bench/netlab/hostile's header flooder (the WAN fault test's) stalls streams only if its headers are within the
+    trainer's limits: one byte over and the trainer hangs up and cools the address (its work header announced
+    work.MAX_FRAME, 1 MiB against 4 KiB). Its failed connects and stream opens back off: starved of CPU on a loaded
+    box, it retried each 30 s negotiation timeout at once and never stalled a stream in 12 minutes."""
+    from bench.netlab.hostile import HeaderFlooder, default_rollout_frame, retry_pause
+    from node.settings import TrainerSettings
+
+    flooder = HeaderFlooder(None, [], rollout_frame=rollouts.frame_limit(4, 6))  # type: ignore[arg-type]
+    assert flooder.sizes == {rollouts.PROTOCOL_ID: rollouts.frame_limit(4, 6), work.PROTOCOL_ID: work.MAX_REQUEST_FRAME}
+    assert next(iter(flooder.sizes)) == rollouts.PROTOCOL_ID  # its rollout streams open first
+    defaults = TrainerSettings()
+    assert default_rollout_frame() == rollouts.frame_limit(defaults.group_size, defaults.max_tokens)
+    assert HeaderFlooder(None, []).sizes[rollouts.PROTOCOL_ID] == default_rollout_frame()  # type: ignore[arg-type]
+    assert [retry_pause(k) for k in range(1, 7)] == [5, 10, 20, 40, 60, 60]

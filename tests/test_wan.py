@@ -19,6 +19,7 @@ from bench.netlab.scenario import Scenario, machine_busy_seconds
 from bench.netlab.swarm import WanSwarm, plot_timeline, wan_links
 from bench.netlab.topology import Lab, Link, lab_unavailable
 from node.identity import load_or_create_key, peer_id_of
+from protocols import rollouts
 from tests.helpers import below, slowdown, wait_for
 
 pytestmark = pytest.mark.skipif(lab_unavailable() is not None, reason=f"no network lab: {lab_unavailable()}")
@@ -98,9 +99,13 @@ def test_lab_emulates_rtt_bandwidth_and_partitions(tmp_path):
     assert f"srl{lab.tag}" not in leftover  # everything the lab made is gone
 
 
+GROUP_SIZE, MAX_TOKENS = 4, 6  # the trainer's lease shape; a header flooder announces its rollout frame limit
+
+
 def trainer_args(max_steps: int = 100_000) -> list[str]:
     return [
-        "--task", "reverse", "--group-size", "4", "--max-tokens", "6", "--batch-groups", "4", "--publish-every", "2",
+        "--task", "reverse", "--group-size", str(GROUP_SIZE), "--max-tokens", str(MAX_TOKENS), "--batch-groups", "4",
+        "--publish-every", "2",
         "--max-steps", str(max_steps), "--eval-every", "100000", "--checkpoint-every", "2", "--weights-encoding",
         "int8", "--chunk-size", "262144", "--linger", "600", "--rollout-rate", "4", "--rollout-burst", "8",
     ]  # fmt: skip
@@ -165,7 +170,9 @@ def test_wan_faults_lose_nothing_and_every_sampler_converges(tmp_path, tiny_mode
         modes = [mode for mode, _ in ATTACKS]
         arm_forgers, arm, arm_flood = tmp_path / "arm-forgers", tmp_path / "arm-attacks", tmp_path / "arm-flood"
         for mode in modes:
-            swarm.start_hostile(mode, mode, "--arm-file", str(arm_forgers if mode in FORGERS else arm))
+            # a header flooder announces the largest rollout frame this trainer accepts (one byte more is hung up on)
+            frame = ["--rollout-frame", str(rollouts.frame_limit(GROUP_SIZE, MAX_TOKENS))] if mode == "headers" else []
+            swarm.start_hostile(mode, mode, "--arm-file", str(arm_forgers if mode in FORGERS else arm), *frame)
         swarm.start_hostile("flood", "flood", "--arm-file", str(arm_flood))
 
         # -- a sampler killed mid-transfer resumes from the chunks it kept ------------------------------

@@ -14,7 +14,9 @@ limits) until banned, then replaced by a new one (issue 17, 6).
 ``--mode bomb``: decode bombs (8.4 MB of empty maps), slow streams that never finish their frame, and uploads
 pulled from samplers as fast as they answer (issue 17, 3, 4 and 7).
 ``--mode headers``: 40 identities, each on 8 work and 8 rollout streams sending only a frame header that announces
-1 MiB (work) or the largest group (rollouts), then 100 bytes, then nothing (issue 26, 2a).
+the largest request the trainer accepts (work: protocols/work.py's request limit; rollouts: ``--rollout-frame``, the
+trainer's group frame limit), then 100 bytes, then nothing (issue 26, 2a). A header over the limit is another attack
+(the bomber's): the trainer hangs up on it and cools its address, so it would stall nothing.
 ``--mode idle``: hundreds of fresh identities that each hold one idle connection to the trainer, and open a new
 one (a fresh identity) whenever theirs is closed or refused (issue 26, 1a).
 ``--mode relay``: one identity sending circuit-relay RESERVEs to the trainer naming made-up peer ids, then its own;
@@ -443,24 +445,45 @@ def fresh_host(ip: str | None) -> Any:
     return host
 
 
+def retry_pause(failures: int) -> float:
+    """Seconds to wait after the ``failures``-th failure in a row (5, 10, 20, 40, then 60): an attacker's process
+    starved of CPU (niced, on a busy box) that retried at once timed out every stream negotiation (py-libp2p's 30 s)
+    and spent what CPU it had retrying, and never stalled a stream in 12 minutes (a loaded CI run)."""
+    return min(60.0, 5.0 * 2 ** max(0, failures - 1))
+
+
 def connected_to(host: Any, peer: Any) -> bool:
     return bool(host.get_network().get_connections(peer))
 
 
+def default_rollout_frame() -> int:
+    """The rollout frame limit of a trainer with the default lease shape (node/settings.py)."""
+    from node.settings import TrainerSettings
+
+    defaults = TrainerSettings()
+    return rollouts.frame_limit(defaults.group_size, defaults.max_tokens)
+
+
 class HeaderFlooder:
     """40 identities whose streams send a frame's header and 100 bytes, then stall (what the old budget reserved
-    on the announced length: 256 MiB held, honest throughput 14%)."""
+    on the announced length: 256 MiB held, honest throughput 14%). Each header announces the largest frame the
+    trainer accepts on that protocol: one byte more and the trainer hangs up at once (``rpc.on_oversized_frame``),
+    which stalls nothing. ``rollout_frame``: the trainer's group frame limit (``rollouts.frame_limit`` of its lease
+    shape; 0: the default shape's)."""
 
     name = "sampler"
 
-    def __init__(self, config: NodeConfig, sources: list[str], identities: int = 40, rollout_frame: int = 1 << 20):
+    def __init__(self, config: NodeConfig, sources: list[str], identities: int = 40, rollout_frame: int = 0):
         self.config = config
         self.sources = sources
         self.identities = identities
-        self.sizes = {work.PROTOCOL_ID: work.MAX_FRAME, rollouts.PROTOCOL_ID: rollout_frame}
+        rollout_frame = rollout_frame or default_rollout_frame()
+        # rollouts first: the stall that matters (a group's frame is the larger), and what a scenario waits to see
+        self.sizes = {rollouts.PROTOCOL_ID: rollout_frame, work.PROTOCOL_ID: work.MAX_REQUEST_FRAME}
         self.connected = 0
         self.streams = 0  # stalled streams open now
         self.sent: dict[str, int] = {}
+        self.failures: dict[str, int] = {}  # by what failed and the exception's type
 
     def register(self, swarm: Swarm) -> None:
         pass
@@ -468,20 +491,28 @@ class HeaderFlooder:
     def count(self, what: str) -> None:
         self.sent[what] = self.sent.get(what, 0) + 1
 
+    def failed(self, what: str, exc: BaseException) -> None:
+        self.count(what)
+        why = f"{what}: {type(exc).__name__}"
+        self.failures[why] = self.failures.get(why, 0) + 1
+
     async def run(self, swarm: Swarm) -> None:
         target = await find_trainer(swarm, self.config)
 
         async def identity(k: int) -> None:
+            refused = 0
             while True:
                 host = fresh_host(self.sources[k] if k < len(self.sources) else None)
                 async with host.run([]):
                     try:
                         with trio.fail_after(30):
                             await host.connect(target)
-                    except Exception:
-                        self.count("connect_failed")
-                        await trio.sleep(5)
+                    except Exception as exc:
+                        self.failed("connect_failed", exc)
+                        refused += 1
+                        await trio.sleep(retry_pause(refused))
                         continue
+                    refused = 0
                     self.connected += 1
                     try:
                         async with trio.open_nursery() as streams:
@@ -496,29 +527,37 @@ class HeaderFlooder:
                 self.count("cut")
 
         async def stall(host: Any, protocol: str, size: int) -> None:
+            failures = 0
             while True:  # a stream the trainer cuts is opened again
-                opened = trio.current_time()
                 try:
                     stream = await host.new_stream(target.peer_id, [protocol])
                     await stream.write(struct.pack(">I", size) + b"\x00" * 100)
-                    self.count(protocol.split("/")[2])
-                    self.streams += 1
-                    try:
-                        while await stream.read(1 << 16):
-                            pass
-                    finally:
-                        self.streams -= 1
-                except Exception:
-                    self.count("stream_failed")
-                if trio.current_time() - opened < 2:
-                    await trio.sleep(5)  # refused at once: a pause, not a flood of stream opens
+                except Exception as exc:
+                    self.failed("stream_failed", exc)
+                    failures += 1
+                    await trio.sleep(retry_pause(failures))
+                    continue
+                failures = 0
+                self.count(protocol.split("/")[2])
+                self.streams += 1
+                held = trio.current_time()
+                try:
+                    while await stream.read(1 << 16):
+                        pass
+                except Exception as exc:
+                    self.failed("stream_cut", exc)
+                finally:
+                    self.streams -= 1
+                if trio.current_time() - held < 2:
+                    await trio.sleep(5)  # cut at once: a pause, not a flood of stream opens
 
         async with trio.open_nursery() as nursery:
             for k in range(self.identities):
                 nursery.start_soon(identity, k)
 
     def status(self) -> dict[str, Any]:
-        return {"mode": "headers", "connected": self.connected, "streams": self.streams, "sent": dict(self.sent)}
+        return {"mode": "headers", "connected": self.connected, "streams": self.streams, "sent": dict(self.sent),
+                "failures": dict(self.failures)}  # fmt: skip
 
 
 class IdleHolder:
@@ -702,7 +741,10 @@ def main() -> None:
     p.add_argument("--arm-file", type=Path, default=None, help="misbehave only once this file exists")
     p.add_argument("--sources", default="", help="headers/idle/relay: comma-separated addresses to dial from")
     p.add_argument("--identities", type=int, default=0, help="headers (40) / idle (64): how many at once")
-    p.add_argument("--rollout-frame", type=int, default=1 << 20, help="headers: the rollout frame size announced")
+    p.add_argument(
+        "--rollout-frame", type=int, default=0,
+        help="headers: the rollout frame size announced, the trainer's limit (0: a default trainer's)",
+    )  # fmt: skip
     args = p.parse_args()
     setup_logging(verbose=False)
     config = NodeConfig(
