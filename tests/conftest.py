@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import traceback
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,22 @@ def pytest_collection_modifyitems(config, items) -> None:
     # average then never runs in a session's first seconds, when the average lags the load (burner run b5: the
     # first test to finish, beside the NAT lab's setup and two burners, failed at once)
     items.sort(key=lambda item: (first[item.nodeid.split("::")[0]], rank[item.nodeid] >= len(LONGEST_FIRST)))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failure inside hosts' nurseries (one exception group per host it passed: nine idle identities in an
+    AsyncExitStack wrap an assertion nine times) prints past Python's depth of 10 as "... (max_group_depth is 10)",
+    without the assertion: the innermost exceptions go in a section of their own."""
+    outcome = yield
+    excinfo = call.excinfo
+    if excinfo is None or not isinstance(excinfo.value, BaseExceptionGroup):
+        return
+    from tests.helpers import leaf_exceptions  # here: the helpers import the node, which pure tests need not load
+
+    leaves = [leaf for leaf in leaf_exceptions(excinfo.value) if not isinstance(leaf, GeneratorExit)]
+    text = "\n".join("".join(traceback.format_exception(leaf)) for leaf in leaves[:5])
+    outcome.get_result().sections.append(("innermost exceptions of the group (first 5)", text))
 
 
 @pytest.fixture(scope="session")

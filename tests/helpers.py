@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import trio
@@ -131,6 +131,15 @@ def write_failure(state: object, name: str | None = None) -> Path:
 
 
 Check = Callable[[], "bool | list[str]"]
+
+
+def leaf_exceptions(exc: BaseException) -> Iterator[BaseException]:
+    """The exceptions inside an exception group, however deeply nested (itself if it is none)."""
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            yield from leaf_exceptions(inner)
+    else:
+        yield exc
 
 
 def _done(result: bool | list[str]) -> bool:

@@ -213,10 +213,15 @@ async def test_protected_peers_are_never_pruned_and_use_the_reserved_slots():
         assert first is not None
         friends.add(first)  # a peer with an accepted record, say
         strangers = [await hold_idle_connection(stack, me) for _ in range(8)]
-        assert all(strangers)
+        assert all(strangers), (strangers, dict(server.conns.counts))  # None: refused (the counts say why)
+
+        def unprotected() -> list[ID]:
+            return [p for p in server.host.get_connected_peers() if p != first]
+
+        # the server closes whom it pruned in its own tasks: the count comes down to the unreserved slots (it was
+        # 4 at once after each connect in 15 runs beside two burners; 8 without the manager)
+        await wait_until(lambda: len(unprotected()) <= limits.max_inbound - limits.reserved, 10, what="pruning")
         assert first in server.host.get_connected_peers()  # the idlest of all, but valued: kept
-        unprotected = [p for p in server.host.get_connected_peers() if p != first]
-        assert len(unprotected) <= limits.max_inbound - limits.reserved
 
 
 async def test_one_address_holds_at_most_its_cap_and_its_count_is_returned():

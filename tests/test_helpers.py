@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from tests import helpers
-from tests.helpers import below, slowdown, wait_for, wait_until
+from tests.helpers import below, leaf_exceptions, slowdown, wait_for, wait_until
 
 
 def test_the_slowdown_is_pinned_by_the_environment_and_never_below_one(monkeypatch):
@@ -57,3 +57,10 @@ def test_a_check_holds_on_true_or_nothing_missing():
     wait_for(lambda: True, 1, "true")
     wait_for(lambda: below({"a": 3}, 3), 1, "a at 3")
     assert below({"a": 2, "b": 5}, 3, "k") == ["a k 2 < 3"]
+
+
+def test_leaf_exceptions_finds_what_nested_groups_hide():
+    inner, other = AssertionError("the check that failed"), ValueError("another")
+    group = ExceptionGroup("host", [ExceptionGroup("host", [ExceptionGroup("host", [inner])]), other])
+    assert list(leaf_exceptions(group)) == [inner, other]
+    assert list(leaf_exceptions(inner)) == [inner]
