@@ -496,6 +496,12 @@ class HeaderFlooder:
         why = f"{what}: {type(exc).__name__}"
         self.failures[why] = self.failures.get(why, 0) + 1
 
+    async def back_off(self, what: str, exc: BaseException, failures: int) -> int:
+        """Count a failure, wait out its pause (``retry_pause``), and return the failures in a row so far."""
+        self.failed(what, exc)
+        await trio.sleep(retry_pause(failures + 1))
+        return failures + 1
+
     async def run(self, swarm: Swarm) -> None:
         target = await find_trainer(swarm, self.config)
 
@@ -508,9 +514,7 @@ class HeaderFlooder:
                         with trio.fail_after(30):
                             await host.connect(target)
                     except Exception as exc:
-                        self.failed("connect_failed", exc)
-                        refused += 1
-                        await trio.sleep(retry_pause(refused))
+                        refused = await self.back_off("connect_failed", exc, refused)
                         continue
                     refused = 0
                     self.connected += 1
@@ -533,9 +537,7 @@ class HeaderFlooder:
                     stream = await host.new_stream(target.peer_id, [protocol])
                     await stream.write(struct.pack(">I", size) + b"\x00" * 100)
                 except Exception as exc:
-                    self.failed("stream_failed", exc)
-                    failures += 1
-                    await trio.sleep(retry_pause(failures))
+                    failures = await self.back_off("stream_failed", exc, failures)
                     continue
                 failures = 0
                 self.count(protocol.split("/")[2])
